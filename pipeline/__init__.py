@@ -1,0 +1,1 @@
+"""Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP) -> MLflow."""

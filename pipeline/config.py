@@ -1,0 +1,195 @@
+"""Config schema and checks: the typed shape of ``conf/`` and every check that runs before Ray starts.
+
+The dataclasses are registered as Hydra's ``schema`` config, so a wrong type or an unknown key fails
+at composition. Pluggable parts (``_target_`` nodes) are free-form there; :func:`validate` imports
+each target and binds its keyword arguments, so a misspelt argument fails here too, not on a worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class PipelineError(Exception):
+    """A problem with the user's config or data, reported as one paragraph without a traceback."""
+
+
+@dataclass
+class SourceConfig:
+    root: str = "${oc.env:PIPELINE_DATA_DIR,data}"  # data root; relative paths resolve against the cwd
+    train: str = MISSING  # parquet directory, file or glob
+    valid: str = MISSING
+    feature_column: str = "image"
+    label_column: str = "label"
+    limit: Optional[int] = None  # cap on rows per split
+    download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
+    reader_v2: bool = False  # Ray Data's V2 parquet reader (footer-reader actors; slower to start)
+
+
+@dataclass
+class TransformSpec:
+    fn: Any = MISSING  # _target_ node: a function (run as Ray tasks) or a class (run as an actor pool)
+    num_cpus: float = 1.0  # CPUs per preprocessing task/actor, separate from the training workers
+    batch_size: int = 1000
+    concurrency: Optional[int] = None  # actor pool size for class transforms; null: Ray's default
+
+
+@dataclass
+class TransformsConfig:
+    train: dict[str, TransformSpec] = field(default_factory=dict)
+    valid: dict[str, TransformSpec] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    seed: int = 0
+    amp: bool = False  # autocast on GPU workers; ignored on CPU
+    amp_dtype: str = "bfloat16"  # bfloat16 or float16 (float16 adds a GradScaler)
+    num_to_keep: Optional[int] = None  # checkpoints kept on disk; null keeps all
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    data_cpus: Optional[float] = None  # CPU budget for Ray Data preprocessing; null: what training leaves
+    torch_threads: Optional[int] = None  # intra-op threads per worker; null: Ray's default
+
+
+@dataclass
+class IngestConfig:
+    batch_size: int = 128  # global: each of N workers gets batch_size / N rows per step
+    prefetch_batches: int = 2
+    local_shuffle_buffer_size: Optional[int] = None  # rows; null: no per-worker shuffle
+    drop_last: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = "${oc.env:MLFLOW_TRACKING_URI,null}"  # null: sqlite in paths.outputs
+    experiment_name: Optional[str] = None  # null: the +experiment=NAME chosen, else "default"
+    run_name: Optional[str] = None
+    log_model: bool = True
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # null: start a local runtime; "auto" or ray://host:port: join a cluster
+    num_cpus: Optional[int] = None  # logical CPUs of a local runtime; null: the machine's cores
+
+
+@dataclass
+class PathsConfig:
+    outputs: str = "outputs"  # run directories and the embedded MLflow store
+
+
+@dataclass
+class PipelineConfig:
+    source: SourceConfig = field(default_factory=SourceConfig)
+    transforms: TransformsConfig = field(default_factory=TransformsConfig)
+    model: Any = MISSING
+    optim: Any = MISSING
+    scheduler: Optional[Any] = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+def register() -> None:
+    """Make the schema available to ``conf/config.yaml`` as its first default."""
+    ConfigStore.instance().store(name="schema", node=PipelineConfig)
+
+
+def _import(target: str, key: str) -> Any:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise PipelineError(f"{key}._target_: cannot import {target!r} ({err}).") from err
+
+
+def check_target(node: Any, key: str, runtime_args: tuple[str, ...] = ()) -> None:
+    """Import ``node._target_`` and check its keyword arguments bind to the callable's signature.
+
+    ``runtime_args`` are the arguments the pipeline itself passes (``params`` for an optimizer).
+    """
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise PipelineError(f"{key}: expected a mapping with a _target_ key, got {node!r}.")
+    target = _import(node["_target_"], key)
+    kwargs = {k: v for k, v in node.items() if not (k.startswith("_") and k.endswith("_"))}
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: nothing to check
+    try:
+        signature.bind_partial(**{name: None for name in runtime_args}, **kwargs)
+    except TypeError as err:
+        params = ", ".join(p for p in signature.parameters if p not in runtime_args)
+        raise PipelineError(
+            f"{key}: {node['_target_']} does not accept these arguments ({err}). It takes: {params}."
+        ) from err
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise PipelineError(message)
+
+
+def check_keys(node: dict, schema: type, path: str = "") -> None:
+    """Reject keys the schema does not declare, including ones added with Hydra's ``+key=value``
+    (which bypasses the schema at composition)."""
+    hints = typing.get_type_hints(schema)
+    for key, value in node.items():
+        if key not in hints:
+            allowed = ", ".join(f.name for f in dataclasses.fields(schema))
+            raise PipelineError(f"{path}{key}: unknown key. {path.rstrip('.') or 'The config'} takes: {allowed}.")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            check_keys(value, hint, f"{path}{key}.")
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
+            for name, item in value.items():
+                check_keys(item, typing.get_args(hint)[1], f"{path}{key}.{name}.")
+
+
+def validate(cfg: dict) -> None:
+    """Check a resolved config (a plain dict) for what the schema cannot express."""
+    check_keys(cfg, PipelineConfig)
+    check_target(cfg["model"], "model")
+    check_target(cfg["optim"], "optim", runtime_args=("params",))
+    if cfg["scheduler"] is not None:
+        check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
+    for split in ("train", "valid"):
+        for name, spec in cfg["transforms"][split].items():
+            key = f"transforms.{split}.{name}.fn"
+            is_actor = inspect.isclass(_import(spec["fn"].get("_target_", ""), key)) if isinstance(spec["fn"], dict) else False
+            check_target(spec["fn"], key, runtime_args=() if is_actor else ("batch",))
+            _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
+            _require(spec["batch_size"] > 0, f"transforms.{split}.{name}.batch_size must be > 0.")
+    if cfg["source"]["download"] is not None:
+        check_target(cfg["source"]["download"], "source.download", runtime_args=("root",))
+
+    scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
+    _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
+    _require(train["amp_dtype"] in ("bfloat16", "float16"),
+             f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.")
+    _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
+    _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
+    _require(
+        ingest["batch_size"] % scaling["num_workers"] == 0,
+        f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "
+        f"among scaling.num_workers ({scaling['num_workers']}).",
+    )
+    limit = cfg["source"]["limit"]
+    _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
