@@ -1,0 +1,24 @@
+"""Transforms stage: chain each split's configured transforms onto its dataset as lazy map_batches.
+
+Functions run as stateless Ray tasks; classes run as an actor pool (built once per actor, for
+transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
+"""
+from __future__ import annotations
+
+import functools
+
+from hydra.utils import instantiate
+
+
+def apply(ds, specs: dict[str, dict]):
+    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order."""
+    for spec in specs.values():
+        fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+        options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"]}
+        if isinstance(fn, functools.partial) and isinstance(fn.func, type):
+            ds = ds.map_batches(
+                fn.func, fn_constructor_kwargs=fn.keywords, concurrency=spec["concurrency"] or 1, **options
+            )
+        else:
+            ds = ds.map_batches(fn, **options)
+    return ds
