@@ -1,0 +1,75 @@
+"""What a person sees: a progress bar per epoch and one line of metrics per epoch.
+
+Workers and the Train controller push events into a Ray queue; a driver thread renders them, so
+``trainer.fit()`` keeps the main thread (and Ray's Ctrl-C handling).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from ray.util.queue import Empty, Queue
+from tqdm import tqdm
+
+
+def quiet_libraries() -> None:
+    """Keep Ray's, Ray Data's and MLflow's chatter off the console (Ray's own log files keep it all)."""
+    import ray.data
+
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
+    return (
+        f"epoch {epoch + 1}/{epochs}  train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
+        f"val_accuracy {metrics['val_accuracy']:.4f}  train_throughput {metrics['train_throughput']:,.0f} samples/s"
+    )
+
+
+def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int,
+             on_report: Callable[[dict], dict], errors: list[BaseException]) -> None:
+    bar: tqdm | None = None
+    while True:
+        try:
+            kind, payload = events.get(timeout=0.2)
+        except Empty:
+            if stop.is_set():
+                break
+            continue
+        try:
+            if kind == "progress":
+                if bar is None:
+                    bar = tqdm(total=steps, desc=f"epoch {payload['epoch'] + 1}/{epochs}", unit="batch",
+                               dynamic_ncols=True, leave=False)
+                bar.update(payload["step"] - bar.n)
+                bar.set_postfix(loss=f"{payload['loss']:.4f}", refresh=False)
+            elif kind == "report":
+                if bar is not None:
+                    bar.close()
+                    bar = None
+                metrics = on_report(payload)
+                tqdm.write(format_metrics(metrics["epoch"], epochs, metrics))
+        except BaseException as err:  # handed to the main thread, which raises it after fit()
+            errors.append(err)
+    if bar is not None:
+        bar.close()
+
+
+@contextlib.contextmanager
+def follow(events: Queue, epochs: int, steps: int, on_report: Callable[[dict], dict]) -> Iterator[None]:
+    """Render events while the body runs; then drain the queue and raise what ``on_report`` raised."""
+    stop, errors = threading.Event(), []
+    thread = threading.Thread(target=_consume, args=(events, stop, epochs, steps, on_report, errors), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,214 @@
+"""Training stage: the DDP loop each Ray Train worker runs, and the TorchTrainer that runs it.
+
+Workers get a plain dict (no Hydra context exists there), stream their shard with
+``iter_torch_batches``, all-reduce validation sums so every world size reports the same numbers for
+the same weights, and report metrics plus a checkpoint once per epoch.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from typing import Any
+
+import ray.data
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from ray.train import CheckpointConfig, DataConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+CHECKPOINT_FILE = "checkpoint.pt"
+PROGRESS_INTERVAL_S = 0.5
+
+
+def trainer_settings(scaling: dict) -> tuple[ScalingConfig, TorchConfig]:
+    """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers."""
+    scaling_config = ScalingConfig(
+        num_workers=scaling["num_workers"],
+        use_gpu=scaling["use_gpu"],
+        resources_per_worker=dict(scaling["resources_per_worker"]),
+    )
+    return scaling_config, TorchConfig(backend="nccl" if scaling["use_gpu"] else "gloo")
+
+
+def amp_plan(device_type: str, train: dict) -> tuple[bool, torch.dtype, bool]:
+    """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
+    float16 needs loss scaling, bfloat16 does not."""
+    enabled = train["amp"] and device_type == "cuda"
+    dtype = getattr(torch, train["amp_dtype"])
+    return enabled, dtype, enabled and dtype == torch.float16
+
+
+def autocast_settings(device: torch.device, train: dict) -> tuple[torch.autocast, torch.amp.GradScaler]:
+    """The autocast context and GradScaler that :func:`amp_plan` asks for."""
+    enabled, dtype, scale = amp_plan(device.type, train)
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)
+
+
+def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
+    """Batches each worker sees per epoch: Ray Train splits a dataset into equal shards."""
+    rows, batch = train_rows // num_workers, global_batch // num_workers
+    return rows // batch if drop_last else -(-rows // batch)
+
+
+def _sum_over_workers(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None):
+    ingest = cfg["ingest"]
+    return shard.iter_torch_batches(
+        batch_size=ingest["batch_size"] // world_size,
+        prefetch_batches=ingest["prefetch_batches"],
+        local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"],
+        local_shuffle_seed=seed,
+        drop_last=ingest["drop_last"],
+        device=device,
+    )
+
+
+def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, epoch, device, progress) -> dict:
+    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
+    model.train()
+    loss_sum, seen, last_sent = 0.0, 0, time.monotonic()
+    start = time.perf_counter()
+    for step, batch in enumerate(batches, start=1):
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(batch[features]), batch[labels])
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if scheduler is not None:
+            scheduler.step()
+        loss_sum += loss.item() * len(batch[labels])
+        seen += len(batch[labels])
+        if progress is not None and time.monotonic() - last_sent >= PROGRESS_INTERVAL_S:
+            progress({"epoch": epoch, "step": step, "loss": loss.item()})
+            last_sent = time.monotonic()
+    elapsed = time.perf_counter() - start
+    total_loss, total_seen = _sum_over_workers([loss_sum, seen], device)
+    return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed}
+
+
+@torch.no_grad()
+def evaluate(model, autocast, batches, cfg) -> dict:
+    """Loss and accuracy over every worker's shard: sums and counts are all-reduced, then divided."""
+    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
+    model.eval()
+    device = next(model.parameters()).device
+    loss_sum, correct, count = 0.0, 0, 0
+    for batch in batches:
+        with autocast:
+            logits = model(batch[features])
+        loss_sum += torch.nn.functional.cross_entropy(logits.float(), batch[labels], reduction="sum").item()
+        correct += (logits.argmax(dim=1) == batch[labels]).sum().item()
+        count += len(batch[labels])
+    loss_sum, correct, count = _sum_over_workers([loss_sum, correct, count], device)
+    return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One worker's training: build, restore, then per epoch train, validate, report + checkpoint."""
+    cfg, progress_queue = config["cfg"], config["events"]
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    if cfg["scaling"]["torch_threads"]:
+        torch.set_num_threads(cfg["scaling"]["torch_threads"])
+    torch.manual_seed(cfg["train"]["seed"])
+
+    model = ray.train.torch.prepare_model(instantiate(cfg["model"], _convert_="all"))
+    replica = getattr(model, "module", model)  # evaluation and checkpoints use the bare module
+    optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
+    epochs = cfg["train"]["epochs"]
+    scheduler = None
+    if cfg["scheduler"] is not None:
+        total_steps = epochs * config["steps_per_epoch"]
+        scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
+    device = ray.train.torch.get_device()
+    autocast, scaler = autocast_settings(device, cfg["train"])
+
+    start_epoch = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as path:
+            state = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
+        replica.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        start_epoch = state["epoch"] + 1
+
+    def progress(event: dict) -> None:
+        progress_queue.put(("progress", event))
+
+    for epoch in range(start_epoch, epochs):
+        seed = cfg["train"]["seed"] + epoch
+        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed)
+        metrics = _train_epoch(
+            model, optimizer, scheduler, autocast, scaler, train_batches, cfg, epoch, device,
+            progress if rank == 0 and progress_queue is not None else None,
+        )
+        valid_batches = _batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None)
+        metrics.update(evaluate(replica, autocast, valid_batches, cfg))
+        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica))
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = None
+            if rank == 0:
+                state = {"model": replica.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+                if scheduler is not None:
+                    state["scheduler"] = scheduler.state_dict()
+                torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
+                saved = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(metrics, checkpoint=saved)
+
+
+class _ReportRelay(ray.train.UserCallback):
+    """Forwards every report (all ranks' metrics and the persisted checkpoint) to the driver."""
+
+    def __init__(self, events: Any):
+        self.events = events
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
+
+
+def build_trainer(cfg: dict, datasets: dict, storage_path: str, train_rows: int, events: Any) -> TorchTrainer:
+    """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
+    scaling_config, torch_config = trainer_settings(cfg["scaling"])
+    data_cpus = cfg["scaling"]["data_cpus"]
+    execution_options = None
+    if data_cpus is not None:
+        execution_options = ray.data.ExecutionOptions(resource_limits=ray.data.ExecutionResources(cpu=data_cpus))
+    steps = steps_per_epoch(
+        train_rows, cfg["scaling"]["num_workers"], cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"]
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg, "events": events, "steps_per_epoch": steps},
+        scaling_config=scaling_config,
+        torch_config=torch_config,
+        datasets=datasets,
+        dataset_config=DataConfig(execution_options=execution_options),
+        run_config=RunConfig(
+            name="train",
+            storage_path=storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg["train"]["num_to_keep"]),
+            callbacks=[_ReportRelay(events)],
+        ),
+    )
