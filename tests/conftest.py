@@ -1,0 +1,70 @@
+"""Shared fixtures: small generated CIFAR-like parquet data, composed configs, one Ray runtime.
+
+Ray must keep its traffic on 127.0.0.1, so the variable is set before anything imports Ray.
+"""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from PIL import Image
+
+from pipeline.config import register
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+register()
+
+
+def jpeg(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
+def write_split(directory: Path, rows: int, files: int, seed: int, columns=("image", "label")) -> None:
+    """``rows`` random 32x32 RGB JPEGs whose label (0-9) sets the mean brightness, so it is learnable."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    labels = rng.integers(0, 10, size=rows)
+    images = [jpeg(np.clip(rng.normal(25 * y + 12, 20, (32, 32, 3)), 0, 255).astype(np.uint8)) for y in labels]
+    table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(labels, pa.int64())})
+    table = table.select(list(columns))
+    for i, part in enumerate(np.array_split(np.arange(rows), files)):
+        pq.write_table(table.take(part), directory / f"part-{i:05d}.parquet")
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> Path:
+    """A PIPELINE_DATA_DIR holding cifar10/train (512 rows, 2 files) and cifar10/test (256 rows)."""
+    root = tmp_path_factory.mktemp("data")
+    write_split(root / "cifar10" / "train", 512, 2, seed=1)
+    write_split(root / "cifar10" / "test", 256, 1, seed=2)
+    return root
+
+
+def compose_cfg(overrides: list[str] = ()) -> dict:
+    """The resolved config as the entry point sees it (a plain dict)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.fixture(scope="session")
+def ray_runtime():
+    """One local Ray runtime for the in-process tests, as a sweep would share it."""
+    import ray
+
+    from pipeline.run import start_ray
+
+    start_ray(address=None, num_cpus=2)
+    yield
+    ray.shutdown()

@@ -1,0 +1,138 @@
+"""Config composition, the schema's type and key checks, and the GPU/CPU settings logic."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from conftest import compose_cfg
+from pipeline.config import PipelineError, validate
+from pipeline.train import amp_plan, steps_per_epoch, trainer_settings
+
+
+def test_cifar_vit_is_the_ray_train_tutorial():
+    cfg = compose_cfg(["+experiment=cifar_vit"])
+    assert cfg["model"] == {
+        "_target_": "torchvision.models.VisionTransformer", "image_size": 32, "patch_size": 4,
+        "num_layers": 12, "num_heads": 8, "hidden_dim": 384, "mlp_dim": 768, "num_classes": 10,
+    }
+    assert cfg["optim"] == {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 1e-2}
+    assert cfg["train"]["epochs"] == 1 and cfg["ingest"]["batch_size"] == 512
+    assert cfg["scaling"]["use_gpu"] is True and cfg["scaling"]["resources_per_worker"]["GPU"] == 1
+    validate(cfg)
+    cpu = compose_cfg(["+experiment=cifar_vit", "scaling=cpu"])  # the documented CPU override
+    assert cpu["scaling"]["use_gpu"] is False and cpu["model"] == cfg["model"]
+
+
+@pytest.mark.parametrize("experiment", ["cifar_vit", "cifar_vit_cpu", "smoke"])
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = compose_cfg([f"+experiment={experiment}"])
+    validate(cfg)
+    import hydra.utils
+
+    model = hydra.utils.instantiate(cfg["model"])
+    assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_cifar_vit_cpu_is_smaller_and_scheduled():
+    cfg = compose_cfg(["+experiment=cifar_vit_cpu"])
+    assert cfg["model"]["num_layers"] == 4 and cfg["model"]["hidden_dim"] == 128
+    assert cfg["scheduler"]["_target_"] == "torch.optim.lr_scheduler.OneCycleLR"
+    assert cfg["scheduler"]["max_lr"] == cfg["optim"]["lr"]
+
+
+def test_data_root_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PIPELINE_DATA_DIR", "/somewhere")
+    cfg = compose_cfg()
+    assert cfg["source"]["train"] == "/somewhere/cifar10/train"
+    assert cfg["source"]["valid"] == "/somewhere/cifar10/test"
+    monkeypatch.delenv("PIPELINE_DATA_DIR")
+    assert compose_cfg()["source"]["train"] == "data/cifar10/train"
+
+
+def test_mlflow_uri_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert compose_cfg()["tracking"]["uri"] is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert compose_cfg()["tracking"]["uri"] == "http://127.0.0.1:5000"
+
+
+@pytest.mark.parametrize("override", ["train.epochs=many", "scaling.use_gpu=maybe", "ingest.batch_size=1.5"])
+def test_wrong_type_is_rejected_at_composition(override):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+        compose_cfg([override])
+
+
+def test_unknown_key_is_rejected_at_composition():
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException), match="epoch"):
+        compose_cfg(["train.epoch=2"])
+
+
+def test_unknown_key_in_an_experiment_file_is_rejected(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\nscaling:\n  workers: 4\n")
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException), match="workers"):
+        compose_cfg([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=typo"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("+scaling.workers=2", r"scaling.workers: unknown key. scaling takes: num_workers, use_gpu"),
+     ("+transforms.train.flip.cpus=1", r"transforms.train.flip.cpus: unknown key"),
+     ("+extra=1", r"extra: unknown key. The config takes: source")],
+)
+def test_keys_added_with_plus_are_checked_too(override, message):
+    with pytest.raises(PipelineError, match=message):
+        validate(compose_cfg([override]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+model.num_layer=3"], r"model: torchvision.models.VisionTransformer does not accept"),
+        (["optim._target_=torch.optim.Adamm"], r"optim._target_: cannot import 'torch.optim.Adamm'"),
+        (["+transforms.train.crop.fn.pad=2"], r"transforms.train.crop.fn: transforms.random_crop does not accept"),
+        (["ingest.batch_size=101"], r"ingest.batch_size \(101\) .* scaling.num_workers \(2\)"),
+        (["train.epochs=0"], r"train.epochs must be >= 1"),
+        (["source.limit=0"], r"source.limit must be >= 1"),
+        (["train.amp_dtype=float8"], r"train.amp_dtype"),
+    ],
+)
+def test_validation_names_the_bad_key(overrides, message):
+    with pytest.raises(PipelineError, match=message):
+        validate(compose_cfg(overrides))
+
+
+def test_gpu_scaling_uses_nccl_and_gpus():
+    scaling, torch_config = trainer_settings(compose_cfg(["scaling=gpu", "scaling.num_workers=4"])["scaling"])
+    assert scaling.use_gpu is True and scaling.num_workers == 4
+    assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1}
+    assert torch_config.backend == "nccl"
+
+
+def test_cpu_scaling_uses_gloo_and_leaves_cpu_for_data():
+    scaling, torch_config = trainer_settings(compose_cfg(["scaling=cpu"])["scaling"])
+    assert scaling.use_gpu is False and torch_config.backend == "gloo"
+    assert scaling.num_workers * scaling.resources_per_worker["CPU"] < 2  # a core stays free on 2 cores
+
+
+@pytest.mark.parametrize(
+    ("device", "amp", "dtype", "expected"),
+    [
+        ("cuda", True, "bfloat16", (True, torch.bfloat16, False)),
+        ("cuda", True, "float16", (True, torch.float16, True)),
+        ("cuda", False, "float16", (False, torch.float16, False)),
+        ("cpu", True, "float16", (False, torch.float16, False)),
+    ],
+)
+def test_amp_only_on_cuda_and_scaler_only_for_float16(device, amp, dtype, expected):
+    assert amp_plan(device, {"amp": amp, "amp_dtype": dtype}) == expected
+
+
+@pytest.mark.parametrize(
+    ("rows", "workers", "batch", "drop_last", "steps"),
+    [(50_000, 1, 128, False, 391), (50_000, 4, 512, False, 98), (2_000, 2, 128, False, 16), (2_000, 2, 128, True, 15)],
+)
+def test_steps_per_epoch_follow_equal_shards(rows, workers, batch, drop_last, steps):
+    assert steps_per_epoch(rows, workers, batch, drop_last) == steps

@@ -1,0 +1,151 @@
+"""The pipeline end to end: real Ray, real MLflow store, real checkpoints, all under tmp_path."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from conftest import compose_cfg, write_split
+from pipeline.config import PipelineError
+from pipeline.run import run
+
+METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")
+
+
+def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, Path]:
+    """Run a job inside pytest's process, on the shared Ray runtime, as a sweep's jobs run."""
+    cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", *overrides])
+    run_dir = tmp_path / name
+    return run(cfg, str(run_dir), "smoke", OmegaConf.to_yaml(cfg)), run_dir
+
+
+@pytest.mark.slow
+def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
+    result = run_cli(["+experiment=smoke", "train.epochs=2", "source.limit=null", "hydra.run.dir=run"],
+                     tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "epoch 1/2  train_loss" in output and "epoch 2/2  train_loss" in output
+    assert "RayTrainWorker pid=" not in output and "Traceback" not in output  # Ray's logs stay in files
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run_info = runs[0]
+    assert run_info.info.status == "FINISHED"
+    params = run_info.data.params
+    assert params["model.hidden_dim"] == "64" and params["train.epochs"] == "2"
+    assert params["model._target_"] == "torchvision.models.VisionTransformer"
+    assert params["source.train"] == f"{data_root}/cifar10/train"
+    for metric in METRICS:
+        history = client.get_metric_history(run_info.info.run_id, metric)
+        assert sorted(m.step for m in history) == [0, 1], metric
+    assert 0.0 <= run_info.data.metrics["val_accuracy"] <= 1.0
+
+    artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
+    assert {"config.yaml", "model"} <= artifacts
+    config = OmegaConf.load(client.download_artifacts(run_info.info.run_id, "config.yaml", str(tmp_path)))
+    assert config.model.num_layers == 2 and config.train.epochs == 2
+    logged = torch.load(client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)),
+                        weights_only=True)
+
+    checkpoints = sorted((tmp_path / "run" / "train").glob("checkpoint_*/checkpoint.pt"))
+    assert len(checkpoints) == 2
+    last = torch.load(checkpoints[-1], weights_only=True)
+    assert last["epoch"] == 1 and {"model", "optimizer"} <= last.keys()
+    assert last["model"].keys() == logged.keys()
+    assert all(torch.equal(last["model"][k], logged[k]) for k in logged)
+
+    reports = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ranks"][0]["epoch"] for r in reports] == [0, 1]
+    for report in reports:
+        rank0, rank1 = report["ranks"]
+        assert (rank0["rank"], rank1["rank"]) == (0, 1)
+        assert rank0["weights_sha256"] == rank1["weights_sha256"]  # DDP replicas stayed identical
+        assert rank0["val_accuracy"] == rank1["val_accuracy"] and rank0["val_loss"] == rank1["val_loss"]
+
+
+@pytest.mark.slow
+def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, data_root, ray_runtime, monkeypatch):
+    """lr=0 keeps the seeded initial weights, so both world sizes evaluate identical models on identical rows."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    common = ["optim.lr=0.0", "ingest.batch_size=64", "source.limit=null"]
+    one, _ = in_process(tmp_path, "one", [*common, "scaling.num_workers=1"])
+    two, run_dir = in_process(tmp_path, "two", [*common, "scaling.num_workers=2"])
+    assert one["val_accuracy"] == two["val_accuracy"]
+    assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-6)
+    ranks = json.loads((run_dir / "metrics.jsonl").read_text())["ranks"]
+    assert len(ranks) == 2 and ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+
+
+@pytest.mark.slow
+def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
+    root = tmp_path / "data"
+    write_split(root / "cifar10" / "train", 64, 1, seed=3)
+    write_split(root / "cifar10" / "test", 32, 1, seed=4)
+    table = pq.read_table(root / "cifar10" / "test" / "part-00000.parquet")
+    images = table.column("image").to_pylist()
+    images[5] = b"\xff\xd8 this is not a JPEG"
+    table = table.set_column(0, "image", pa.array(images, pa.binary()))
+    pq.write_table(table, root / "cifar10" / "test" / "part-00000.parquet")
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(root))
+    with pytest.raises(PipelineError, match=r"training failed on rank\(s\) \[0, 1\]: .*not a valid JPEG"):
+        in_process(tmp_path, "broken", ["source.limit=null"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def no_runs_logged(tmp_path: Path) -> bool:
+    return not (tmp_path / "outputs" / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["+experiment=nope"], "Could not find 'experiment/nope'"),
+        (["+experiment=smoke", "train.epochs=abc"], "train.epochs"),
+        (["+experiment=smoke", "train.epoch=2"], "train.epoch"),
+        (["+experiment=smoke", "+model.depth=3"], "model: torchvision.models.VisionTransformer does not accept"),
+    ],
+)
+def test_bad_config_fails_before_anything_runs(tmp_path, data_root, args, message):
+    result = run_cli(args, tmp_path, data_root)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert no_runs_logged(tmp_path)
+
+
+def test_missing_data_fails_with_advice(tmp_path):
+    result = run_cli(["+experiment=smoke", "source.download=null"], tmp_path, tmp_path / "empty")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "source.train: no parquet files" in output and "PIPELINE_DATA_DIR" in output
+    assert "Traceback" not in output
+    assert no_runs_logged(tmp_path)
+
+
+def test_missing_column_fails_naming_file_and_column(tmp_path):
+    write_split(tmp_path / "data" / "cifar10" / "train", 16, 1, seed=0, columns=("image",))
+    write_split(tmp_path / "data" / "cifar10" / "test", 16, 1, seed=0)
+    result = run_cli(["+experiment=smoke"], tmp_path, tmp_path / "data")
+    assert result.returncode == 1
+    assert "has no column 'label' (it has image)" in result.stdout + result.stderr
+    assert no_runs_logged(tmp_path)

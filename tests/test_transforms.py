@@ -1,0 +1,93 @@
+"""Each transform on hand-made batches, then the chain as Ray Data runs it (tasks and actors)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import compose_cfg, jpeg
+from transforms import decode_jpeg, normalize, random_crop, random_flip
+
+
+def images(n: int = 4, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
+
+
+def test_decode_jpeg_matches_pil_and_keeps_other_columns():
+    pixels = np.random.default_rng(0).integers(0, 256, size=(3, 32, 32, 3), dtype=np.uint8)
+    encoded = np.array([jpeg(p) for p in pixels], dtype=object)
+    out = decode_jpeg({"image": encoded, "label": np.array([1, 2, 3])})
+    assert out["image"].shape == (3, 3, 32, 32) and out["image"].dtype == np.uint8
+    np.testing.assert_array_equal(out["label"], [1, 2, 3])
+    import io
+
+    expected = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in encoded]).transpose(0, 3, 1, 2)
+    # two JPEG decoders may round a few pixel values differently, never by much
+    assert np.abs(out["image"].astype(int) - expected.astype(int)).max() <= 2
+
+
+def test_decode_jpeg_rejects_bytes_that_are_not_jpeg():
+    with pytest.raises(ValueError, match="'image'.*not a valid JPEG"):
+        decode_jpeg({"image": np.array([b"not a jpeg"], dtype=object)})
+
+
+def test_random_crop_without_padding_is_identity():
+    batch = images()
+    np.testing.assert_array_equal(random_crop({"image": batch}, padding=0)["image"], batch)
+
+
+def test_random_crop_cuts_a_window_of_the_padded_image():
+    batch = images(16)
+    out = random_crop({"image": batch}, size=32, padding=4)["image"]
+    assert out.shape == batch.shape
+    padded = np.pad(batch, ((0, 0), (0, 0), (4, 4), (4, 4)))
+    for original, cropped in zip(padded, out):
+        windows = [(t, l) for t in range(9) for l in range(9) if np.array_equal(original[:, t:t + 32, l:l + 32], cropped)]
+        assert windows, "crop is not a window of the padded image"
+    assert not all(np.array_equal(a, b) for a, b in zip(batch, out)), "16 crops all at the centre"
+
+
+def test_random_flip_always_and_never():
+    batch = images()
+    np.testing.assert_array_equal(random_flip({"image": batch}, p=1.0)["image"], batch[..., ::-1])
+    np.testing.assert_array_equal(random_flip({"image": batch}, p=0.0)["image"], batch)
+
+
+def test_normalize_maps_pixels_to_minus_one_one():
+    batch = np.array([[[[0, 255]]] * 3], dtype=np.uint8)  # (1, 3, 1, 2)
+    out = normalize({"image": batch})["image"]
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out[0, :, 0], [[-1.0, 1.0]] * 3)
+    out = normalize({"image": batch}, mean=(0.0, 0.5, 1.0), std=(1.0, 1.0, 2.0))["image"]
+    np.testing.assert_allclose(out[0, :, 0, 1], [1.0, 0.5, 0.0])
+
+
+class AddConstant:
+    """A class transform: the pipeline runs it as an actor pool."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def __call__(self, batch):
+        return {**batch, "image": batch["image"] + self.value}
+
+
+def test_configured_chain_runs_lazily_on_ray_data(ray_runtime):
+    import sys
+
+    import ray.cloudpickle
+    import ray.data
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/
+
+    from pipeline import preprocess
+
+    cfg = compose_cfg(["+transforms.valid.shift.fn._target_=test_transforms.AddConstant",
+                       "+transforms.valid.shift.fn.value=10", "transforms.valid.shift.concurrency=1"])
+    pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
+    ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
+    out = preprocess.apply(ds, cfg["transforms"]["valid"]).take_all()
+    decoded = decode_jpeg({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
+    expected = normalize(decoded)["image"] + 10
+    np.testing.assert_allclose(np.stack([row["image"] for row in out]), expected, rtol=1e-6)
+    assert [row["label"] for row in out] == list(range(6))
