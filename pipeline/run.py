@@ -74,6 +74,9 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
 
     console.quiet_libraries()
     start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
+    if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
+        transform_cpus = max(s["num_cpus"] for split in cfg["transforms"].values() for s in split.values())
+        train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
     datasets = {

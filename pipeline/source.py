@@ -69,7 +69,8 @@ def prepare(source: dict) -> dict[str, tuple[list[str], int]]:
     if source["download"] is not None and not all(parquet_files(source[s]) for s in SPLITS):
         from hydra.utils import instantiate
 
-        instantiate(source["download"], root=source["root"])
+        download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
+        download(root=source["root"])
     checked = {split: check_split(split, source[split], columns) for split in SPLITS}
     limit = source["limit"]
     return {s: (files, rows if limit is None else min(rows, limit)) for s, (files, rows) in checked.items()}
@@ -105,9 +106,9 @@ def download_cifar10(root: str, url: str = CIFAR10_URL, timeout_s: float = 30.0)
         except (urllib.error.URLError, OSError, tarfile.TarError, RuntimeError) as err:
             raise PipelineError(
                 f"CIFAR-10 is not at {target.resolve()} and downloading it from {url} failed ({err}). "
-                "If this machine is offline, copy the parquet files there, or point the pipeline at an "
-                "existing copy: PIPELINE_DATA_DIR=/dir/holding/cifar10 (for example ../shared/data), "
-                "or source.root=/dir/holding/cifar10."
+                "If this machine is offline, copy the parquet files there, or point the pipeline at the "
+                "directory that contains cifar10/: PIPELINE_DATA_DIR=/path/to/data (for example "
+                "PIPELINE_DATA_DIR=../shared/data) or source.root=/path/to/data."
             ) from err
         finally:
             socket.setdefaulttimeout(previous)

@@ -21,6 +21,8 @@ from hydra.utils import instantiate
 from ray.train import CheckpointConfig, DataConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from pipeline.config import PipelineError
+
 CHECKPOINT_FILE = "checkpoint.pt"
 PROGRESS_INTERVAL_S = 0.5
 
@@ -33,6 +35,27 @@ def trainer_settings(scaling: dict) -> tuple[ScalingConfig, TorchConfig]:
         resources_per_worker=dict(scaling["resources_per_worker"]),
     )
     return scaling_config, TorchConfig(backend="nccl" if scaling["use_gpu"] else "gloo")
+
+
+def check_resources(available: dict[str, float], scaling: dict, transform_cpus: float) -> None:
+    """Fail fast where Ray would wait forever: training workers that do not fit the runtime, or
+    workers that take every CPU so preprocessing never gets one (Ray Data then stalls silently)."""
+    per_worker = scaling["resources_per_worker"]
+    for resource, amount in per_worker.items():
+        needed, have = amount * scaling["num_workers"], available.get(resource, 0.0)
+        if needed > have:
+            hint = " Use scaling=cpu on a machine without GPUs." if resource == "GPU" else ""
+            raise PipelineError(
+                f"scaling asks for {needed:g} {resource} ({scaling['num_workers']} workers x {amount:g}, "
+                f"scaling.resources_per_worker.{resource}) but the Ray runtime has {have:g}.{hint}"
+            )
+    spare = available.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * scaling["num_workers"]
+    if spare < transform_cpus:
+        raise PipelineError(
+            f"training workers take {available.get('CPU', 0.0) - spare:g} of {available.get('CPU', 0.0):g} CPUs, "
+            f"leaving {spare:g} for preprocessing, which needs {transform_cpus:g} (transforms.*.num_cpus): "
+            "lower scaling.resources_per_worker.CPU or scaling.num_workers, or raise ray.num_cpus."
+        )
 
 
 def amp_plan(device_type: str, train: dict) -> tuple[bool, torch.dtype, bool]:
@@ -162,7 +185,7 @@ def train_loop_per_worker(config: dict) -> None:
         train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed)
         metrics = _train_epoch(
             model, optimizer, scheduler, autocast, scaler, train_batches, cfg, epoch, device,
-            progress if rank == 0 and progress_queue is not None else None,
+            progress if rank == 0 else None,
         )
         valid_batches = _batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None)
         metrics.update(evaluate(replica, autocast, valid_batches, cfg))

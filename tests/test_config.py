@@ -8,7 +8,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from conftest import compose_cfg
 from pipeline.config import PipelineError, validate
-from pipeline.train import amp_plan, steps_per_epoch, trainer_settings
+from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_settings
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -136,3 +136,22 @@ def test_amp_only_on_cuda_and_scaler_only_for_float16(device, amp, dtype, expect
 )
 def test_steps_per_epoch_follow_equal_shards(rows, workers, batch, drop_last, steps):
     assert steps_per_epoch(rows, workers, batch, drop_last) == steps
+
+
+def test_resources_that_fit_pass():
+    check_resources({"CPU": 2.0}, compose_cfg(["scaling=cpu"])["scaling"], transform_cpus=1)
+    check_resources({"CPU": 8.0, "GPU": 2.0}, compose_cfg(["scaling=gpu", "scaling.num_workers=2"])["scaling"], 1)
+
+
+@pytest.mark.parametrize(
+    ("available", "overrides", "message"),
+    [
+        ({"CPU": 2.0}, ["scaling=gpu"], r"asks for 1 GPU .* has 0. Use scaling=cpu"),
+        ({"CPU": 16.0, "GPU": 1.0}, ["scaling=gpu", "scaling.num_workers=2"], r"asks for 2 GPU \(2 workers x 1"),
+        ({"CPU": 2.0}, ["scaling=cpu", "scaling.resources_per_worker.CPU=1"], r"take 2 of 2 CPUs, leaving 0"),
+        ({"CPU": 2.0}, ["scaling=cpu", "scaling.num_workers=5"], r"asks for 2.5 CPU"),
+    ],
+)
+def test_resources_that_would_hang_fail_fast(available, overrides, message):
+    with pytest.raises(PipelineError, match=message):
+        check_resources(available, compose_cfg(overrides)["scaling"], transform_cpus=1)
