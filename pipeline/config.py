@@ -43,8 +43,8 @@ class TransformSpec:
 
 @dataclass
 class TransformsConfig:
-    train: dict[str, TransformSpec] = field(default_factory=dict)
-    valid: dict[str, TransformSpec] = field(default_factory=dict)
+    train: dict[str, Optional[TransformSpec]] = field(default_factory=dict)  # null drops a step
+    valid: dict[str, Optional[TransformSpec]] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +107,11 @@ class PipelineConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
+def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
+    """The transform steps of one split, without those set to null (dropped by an overlay)."""
+    return {name: spec for name, spec in steps.items() if spec is not None}
+
+
 def register() -> None:
     """Make the schema available to ``conf/config.yaml`` as its first default."""
     ConfigStore.instance().store(name="schema", node=PipelineConfig)
@@ -147,6 +152,12 @@ def _require(ok: bool, message: str) -> None:
         raise PipelineError(message)
 
 
+def _unwrap_optional(hint: Any) -> Any:
+    """``Optional[X]`` -> ``X``; anything else unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
 def check_keys(node: dict, schema: type, path: str = "") -> None:
     """Reject keys the schema does not declare, including ones added with Hydra's ``+key=value``
     (which bypasses the schema at composition)."""
@@ -155,12 +166,13 @@ def check_keys(node: dict, schema: type, path: str = "") -> None:
         if key not in hints:
             allowed = ", ".join(f.name for f in dataclasses.fields(schema))
             raise PipelineError(f"{path}{key}: unknown key. {path.rstrip('.') or 'The config'} takes: {allowed}.")
-        hint = hints[key]
+        hint = _unwrap_optional(hints[key])
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             check_keys(value, hint, f"{path}{key}.")
-        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(item_type := _unwrap_optional(typing.get_args(hint)[1])):
             for name, item in value.items():
-                check_keys(item, typing.get_args(hint)[1], f"{path}{key}.{name}.")
+                if item is not None:
+                    check_keys(item, item_type, f"{path}{key}.{name}.")
 
 
 def validate(cfg: dict) -> None:
@@ -171,7 +183,7 @@ def validate(cfg: dict) -> None:
     if cfg["scheduler"] is not None:
         check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
     for split in ("train", "valid"):
-        for name, spec in cfg["transforms"][split].items():
+        for name, spec in active_steps(cfg["transforms"][split]).items():
             key = f"transforms.{split}.{name}.fn"
             is_actor = inspect.isclass(_import(spec["fn"].get("_target_", ""), key)) if isinstance(spec["fn"], dict) else False
             check_target(spec["fn"], key, runtime_args=() if is_actor else ("batch",))

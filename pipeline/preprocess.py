@@ -9,10 +9,12 @@ import functools
 
 from hydra.utils import instantiate
 
+from pipeline.config import active_steps
+
 
 def apply(ds, specs: dict[str, dict]):
     """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order."""
-    for spec in specs.values():
+    for spec in active_steps(specs).values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
         options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"]}
         if isinstance(fn, functools.partial) and isinstance(fn.func, type):

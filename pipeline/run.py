@@ -14,7 +14,7 @@ import ray
 from ray.util.queue import Queue
 
 from pipeline import console, preprocess, source, tracking, train
-from pipeline.config import PipelineError, validate
+from pipeline.config import PipelineError, active_steps, validate
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
     console.quiet_libraries()
     start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
-        transform_cpus = max(s["num_cpus"] for split in cfg["transforms"].values() for s in split.values())
-        train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
+        steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
+        train.check_resources(ray.cluster_resources(), cfg["scaling"], max((s["num_cpus"] for s in steps), default=0))
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
     datasets = {
@@ -104,14 +104,16 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
 
     try:
         tracking.log_config(client, run_id, cfg, config_yaml)
-        trainer = train.build_trainer(cfg, datasets, run_dir, train_rows, events)
         steps = train.steps_per_epoch(train_rows, cfg["scaling"]["num_workers"],
                                       cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
+        trainer = train.build_trainer(cfg, datasets, run_dir, steps, events)
         with console.follow(events, cfg["train"]["epochs"], steps, on_report):
             try:
                 result = trainer.fit()
             except ray.train.WorkerGroupError as err:
                 raise explain(err) from err
+        if not history:
+            raise PipelineError("training finished without reporting an epoch.")
         if cfg["tracking"]["log_model"] and result.checkpoint is not None:
             with result.checkpoint.as_directory() as path:
                 tracking.log_model(client, run_id, os.path.join(path, train.CHECKPOINT_FILE))
@@ -124,6 +126,6 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
     finally:
         ray.kill(events.actor)
     tracking.end_run(client, run_id, "FINISHED")
-    if not history:
-        raise PipelineError("training finished without reporting an epoch.")
+    log.info("finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
+             history[-1]["val_accuracy"], uri)
     return {k: history[-1][k] for k in tracking.EPOCH_METRICS}

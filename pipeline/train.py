@@ -211,16 +211,13 @@ class _ReportRelay(ray.train.UserCallback):
         self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
 
 
-def build_trainer(cfg: dict, datasets: dict, storage_path: str, train_rows: int, events: Any) -> TorchTrainer:
+def build_trainer(cfg: dict, datasets: dict, storage_path: str, steps: int, events: Any) -> TorchTrainer:
     """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     data_cpus = cfg["scaling"]["data_cpus"]
     execution_options = None
     if data_cpus is not None:
         execution_options = ray.data.ExecutionOptions(resource_limits=ray.data.ExecutionResources(cpu=data_cpus))
-    steps = steps_per_epoch(
-        train_rows, cfg["scaling"]["num_workers"], cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"]
-    )
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "events": events, "steps_per_epoch": steps},

@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
 from conftest import compose_cfg
-from pipeline.config import PipelineError, validate
+from pipeline.config import PipelineError, active_steps, validate
 from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_settings
 
 
@@ -37,6 +37,7 @@ def test_every_experiment_composes_and_validates(experiment):
 
 def test_cifar_vit_cpu_is_smaller_and_scheduled():
     cfg = compose_cfg(["+experiment=cifar_vit_cpu"])
+    assert list(active_steps(cfg["transforms"]["train"])) == ["decode", "flip", "normalize"]
     assert cfg["model"]["num_layers"] == 4 and cfg["model"]["hidden_dim"] == 128
     assert cfg["scheduler"]["_target_"] == "torch.optim.lr_scheduler.OneCycleLR"
     assert cfg["scheduler"]["max_lr"] == cfg["optim"]["lr"]

@@ -72,7 +72,17 @@ class AddConstant:
         return {**batch, "image": batch["image"] + self.value}
 
 
-def test_configured_chain_runs_lazily_on_ray_data(ray_runtime):
+SHIFTED = """# @package _global_
+transforms:
+  valid:
+    shift:
+      fn: {_target_: test_transforms.AddConstant, value: 10}
+      concurrency: 1
+"""
+
+
+def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
+    """An experiment file adds a class step to the valid chain; Ray Data runs it as an actor."""
     import sys
 
     import ray.cloudpickle
@@ -82,8 +92,10 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime):
 
     from pipeline import preprocess
 
-    cfg = compose_cfg(["+transforms.valid.shift.fn._target_=test_transforms.AddConstant",
-                       "+transforms.valid.shift.fn.value=10", "transforms.valid.shift.concurrency=1"])
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "shifted.yaml").write_text(SHIFTED)
+    cfg = compose_cfg([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=shifted"])
+    assert list(cfg["transforms"]["valid"]) == ["decode", "normalize", "shift"]
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
     out = preprocess.apply(ds, cfg["transforms"]["valid"]).take_all()
