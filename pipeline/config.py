@@ -125,14 +125,20 @@ def _import(target: str, key: str) -> Any:
         raise PipelineError(f"{key}._target_: cannot import {target!r} ({err}).") from err
 
 
-def check_target(node: Any, key: str, runtime_args: tuple[str, ...] = ()) -> None:
+def check_target(
+    node: Any, key: str, runtime_args: tuple[str, ...] = (), class_runtime_args: tuple[str, ...] | None = None
+) -> None:
     """Import ``node._target_`` and check its keyword arguments bind to the callable's signature.
 
-    ``runtime_args`` are the arguments the pipeline itself passes (``params`` for an optimizer).
+    ``runtime_args`` are the arguments the pipeline itself passes (``params`` for an optimizer);
+    ``class_runtime_args`` replace them when the target is a class (a transform class is built
+    from its params alone; its instances take the batch).
     """
     if not isinstance(node, dict) or "_target_" not in node:
         raise PipelineError(f"{key}: expected a mapping with a _target_ key, got {node!r}.")
     target = _import(node["_target_"], key)
+    if class_runtime_args is not None and inspect.isclass(target):
+        runtime_args = class_runtime_args
     kwargs = {k: v for k, v in node.items() if not (k.startswith("_") and k.endswith("_"))}
     try:
         signature = inspect.signature(target)
@@ -169,10 +175,12 @@ def check_keys(node: dict, schema: type, path: str = "") -> None:
         hint = _unwrap_optional(hints[key])
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             check_keys(value, hint, f"{path}{key}.")
-        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(item_type := _unwrap_optional(typing.get_args(hint)[1])):
-            for name, item in value.items():
-                if item is not None:
-                    check_keys(item, item_type, f"{path}{key}.{name}.")
+        elif typing.get_origin(hint) is dict:
+            item_type = _unwrap_optional(typing.get_args(hint)[1])
+            if dataclasses.is_dataclass(item_type):
+                for name, item in value.items():
+                    if item is not None:
+                        check_keys(item, item_type, f"{path}{key}.{name}.")
 
 
 def validate(cfg: dict) -> None:
@@ -184,9 +192,7 @@ def validate(cfg: dict) -> None:
         check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
     for split in ("train", "valid"):
         for name, spec in active_steps(cfg["transforms"][split]).items():
-            key = f"transforms.{split}.{name}.fn"
-            is_actor = inspect.isclass(_import(spec["fn"].get("_target_", ""), key)) if isinstance(spec["fn"], dict) else False
-            check_target(spec["fn"], key, runtime_args=() if is_actor else ("batch",))
+            check_target(spec["fn"], f"transforms.{split}.{name}.fn", runtime_args=("batch",), class_runtime_args=())
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
             _require(spec["batch_size"] > 0, f"transforms.{split}.{name}.batch_size must be > 0.")
     if cfg["source"]["download"] is not None:
