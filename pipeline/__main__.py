@@ -1,34 +1,58 @@
-"""``python -m pipeline +experiment=NAME [overrides]``: compose the config and run one job."""
+"""``python -m pipeline +experiment=NAME [overrides]``: compose the config and run one job.
+
+With ``-m`` (a Hydra multirun) every job runs here in turn, sharing one Ray runtime; a failed job
+is logged and recorded, the sweep goes on, and :class:`pipeline.sweep.SweepSummary` reports it.
+"""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import PipelineError, register
-from pipeline.run import run
+from pipeline.run import Job, run
 
 log = logging.getLogger("pipeline")
 register()
 
 
+def describe_job(hydra_cfg: DictConfig) -> Job:
+    """Where this job sits, from Hydra's runtime config (plain values for ``run``)."""
+    overrides = list(hydra_cfg.overrides.task)
+    experiment = hydra_cfg.runtime.choices.get("experiment") or "default"
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    shown = " ".join(o for o in overrides if o != f"+experiment={experiment}")
+    return Job(
+        run_dir=hydra_cfg.runtime.output_dir,
+        experiment=experiment,
+        config_yaml="",
+        overrides=overrides,
+        sweep_dir=os.path.abspath(hydra_cfg.sweep.dir) if sweeping else None,
+        run_name=f"job {hydra_cfg.job.num}: {shown}".strip() if sweeping else None,
+    )
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float:
-    runtime = HydraConfig.get().runtime
+def main(cfg: DictConfig) -> float | None:
+    job = describe_job(HydraConfig.get())
+    job.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     try:
-        metrics = run(
-            OmegaConf.to_container(cfg, resolve=True),
-            run_dir=runtime.output_dir,
-            experiment=runtime.choices.get("experiment") or "default",
-            config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        )
-    except PipelineError as err:
-        log.error("%s", err)
-        sys.exit(1)
-    return metrics["val_accuracy"]
+        metrics = run(OmegaConf.to_container(cfg, resolve=True), job)
+    except Exception as err:
+        if job.sweep_dir is None:
+            if isinstance(err, PipelineError):
+                log.error("%s", err)
+                sys.exit(1)
+            raise
+        # A sweep goes on: the job is a FAILED child run; None tells Optuna the trial failed.
+        (log.error if isinstance(err, PipelineError) else log.exception)("job failed: %s", err)
+        return None
+    return metrics[cfg.optimized_metric]
 
 
 if __name__ == "__main__":

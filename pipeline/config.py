@@ -17,6 +17,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")  # reported every epoch
+
+
 class PipelineError(Exception):
     """A problem with the user's config or data, reported as one paragraph without a traceback."""
 
@@ -105,6 +108,7 @@ class PipelineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    optimized_metric: str = "val_accuracy"  # what the entry point returns to a sweeper (Optuna)
 
 
 def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
@@ -198,6 +202,8 @@ def validate(cfg: dict) -> None:
     if cfg["source"]["download"] is not None:
         check_target(cfg["source"]["download"], "source.download", runtime_args=("root",))
 
+    _require(cfg["optimized_metric"] in EPOCH_METRICS,
+             f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.")
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
     _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
     _require(train["amp_dtype"] in ("bfloat16", "float16"),

@@ -1,7 +1,8 @@
 """One job, start to end: config -> source -> transforms -> train -> tracking.
 
-Every check that can fail on the user's input runs before Ray starts or an MLflow run exists, so
-bad input leaves nothing behind.
+Every check that can fail on the user's input runs before Ray starts. A single run that fails
+them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep
+shows every job it tried.
 """
 from __future__ import annotations
 
@@ -9,14 +10,28 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.queue import Queue
 
 from pipeline import console, preprocess, source, tracking, train
-from pipeline.config import PipelineError, active_steps, validate
+from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, validate
 
 log = logging.getLogger(__name__)
+CODE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Job:
+    """Where a job sits: its output directory, experiment name and, in a sweep, the sweep's directory."""
+
+    run_dir: str
+    experiment: str
+    config_yaml: str
+    overrides: list[str] = field(default_factory=list)
+    sweep_dir: str | None = None  # set for the jobs of a Hydra multirun
+    run_name: str | None = None
 
 
 def start_ray(address: str | None, num_cpus: int | None) -> None:
@@ -35,6 +50,8 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
         logging_level=logging.ERROR,
         include_dashboard=False,
     )
+    resources = ray.cluster_resources()
+    log.info("Ray runtime up (%s): %g CPU, %g GPU", address or "local", resources.get("CPU", 0), resources.get("GPU", 0))
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:
@@ -65,30 +82,27 @@ def explain(err: ray.train.WorkerGroupError) -> PipelineError:
     )
 
 
-def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
-    """Run one experiment from its resolved config; returns the last epoch's metrics."""
+def preflight(cfg: dict) -> dict[str, tuple[list[str], int]]:
+    """Config and data checks that need no Ray: ``{split: (files, rows)}`` or a PipelineError."""
     validate(cfg)
-    splits = source.prepare(cfg["source"])
-    run_dir = os.path.abspath(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    return source.prepare(cfg["source"])
 
-    console.quiet_libraries()
+
+def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> list[dict]:
+    """Start Ray, build the datasets, train, and log each epoch as it is reported."""
     start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
-        steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
-        train.check_resources(ray.cluster_resources(), cfg["scaling"], max((s["num_cpus"] for s in steps), default=0))
+        transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
+        transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
+        train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
     datasets = {
         split: preprocess.apply(source.read(files, src["limit"], columns, src["reader_v2"]), cfg["transforms"][split])
         for split, (files, _) in splits.items()
     }
-    train_rows = splits["train"][1]
-
-    uri = tracking.resolve_uri(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-    client, run_id = tracking.start_run(uri, cfg["tracking"]["experiment_name"] or experiment,
-                                        cfg["tracking"]["run_name"], cfg["paths"]["outputs"])
-    log.info("MLflow run %s in %s; outputs in %s", run_id, uri, run_dir)
+    steps = train.steps_per_epoch(splits["train"][1], cfg["scaling"]["num_workers"],
+                                  cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
 
@@ -97,16 +111,13 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
         check_ranks_agree(ranks)
         metrics = ranks[0]
         tracking.log_epoch(client, run_id, metrics, metrics["epoch"])
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as out:
+        with open(os.path.join(job.run_dir, "metrics.jsonl"), "a") as out:
             out.write(json.dumps({"checkpoint": report["checkpoint"], "ranks": ranks}) + "\n")
         history.append(metrics)
         return metrics
 
     try:
-        tracking.log_config(client, run_id, cfg, config_yaml)
-        steps = train.steps_per_epoch(train_rows, cfg["scaling"]["num_workers"],
-                                      cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
-        trainer = train.build_trainer(cfg, datasets, run_dir, steps, events)
+        trainer = train.build_trainer(cfg, datasets, job.run_dir, steps, events)
         with console.follow(events, cfg["train"]["epochs"], steps, on_report):
             try:
                 result = trainer.fit()
@@ -117,15 +128,46 @@ def run(cfg: dict, run_dir: str, experiment: str, config_yaml: str) -> dict:
         if cfg["tracking"]["log_model"] and result.checkpoint is not None:
             with result.checkpoint.as_directory() as path:
                 tracking.log_model(client, run_id, os.path.join(path, train.CHECKPOINT_FILE))
-    except KeyboardInterrupt:
-        tracking.end_run(client, run_id, "KILLED")
-        raise
-    except BaseException:
-        tracking.end_run(client, run_id, "FAILED")
-        raise
     finally:
         ray.kill(events.actor)
+        if history:
+            tracking.log_learning_curve(client, run_id, history)
+    return history
+
+
+def run(cfg: dict, job: Job) -> dict:
+    """Run one experiment from its resolved config; returns the last epoch's metrics."""
+    job.run_dir = os.path.abspath(job.run_dir)
+    console.quiet_libraries()
+    client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+    experiment = cfg["tracking"]["experiment_name"] or job.experiment
+    run_name = cfg["tracking"]["run_name"] or job.run_name
+
+    def open_run() -> str:
+        experiment_id = tracking.experiment_id(client, uri, experiment, cfg["paths"]["outputs"])
+        parent = tracking.sweep_parent(client, experiment_id, job.sweep_dir) if job.sweep_dir else None
+        run_id = tracking.start_run(client, experiment_id, run_name, parent, job.overrides, CODE_DIR)
+        tracking.log_config(client, run_id, cfg, job.config_yaml)
+        return run_id
+
+    try:
+        splits = preflight(cfg)
+    except PipelineError as err:
+        if job.sweep_dir:
+            tracking.end_run(client, open_run(), "FAILED", err)
+        raise
+    os.makedirs(job.run_dir, exist_ok=True)
+    run_id = open_run()
+    log.info("MLflow run %s in %s; outputs in %s", run_id, uri, job.run_dir)
+    try:
+        history = train_and_track(cfg, job, splits, client, run_id)
+    except KeyboardInterrupt as err:
+        tracking.end_run(client, run_id, "KILLED", err)
+        raise
+    except BaseException as err:
+        tracking.end_run(client, run_id, "FAILED", err)
+        raise
     tracking.end_run(client, run_id, "FINISHED")
     log.info("finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
              history[-1]["val_accuracy"], uri)
-    return {k: history[-1][k] for k in tracking.EPOCH_METRICS}
+    return {k: history[-1][k] for k in EPOCH_METRICS}

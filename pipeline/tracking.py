@@ -6,6 +6,7 @@ leaks between the jobs of a sweep or into worker processes.
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -13,14 +14,28 @@ from pathlib import Path
 import torch
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")
+from pipeline.config import EPOCH_METRICS
+
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
+MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
+SWEEP_DIR_TAG = "pipeline.sweep_dir"
+OVERRIDES_TAG = "pipeline.overrides"
+ERROR_TAG = "pipeline.error"
 
 
 def resolve_uri(uri: str | None, outputs: str) -> str:
     """``tracking.uri`` (MLFLOW_TRACKING_URI feeds it), else an SQLite store in the outputs directory."""
     return uri or f"sqlite:///{Path(outputs).resolve() / 'mlflow.db'}"
+
+
+def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
+    """A client for the store :func:`resolve_uri` names (creating the outputs directory it lives in)."""
+    resolved = resolve_uri(uri, outputs)
+    if uri is None:
+        os.makedirs(outputs, exist_ok=True)
+    return MlflowClient(tracking_uri=resolved), resolved
 
 
 def flatten(node: object, prefix: str = "") -> dict[str, str]:
@@ -33,21 +48,46 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def start_run(uri: str, experiment: str, run_name: str | None, outputs: str) -> tuple[MlflowClient, str]:
-    """Create the run (RUNNING) in ``experiment``, creating the experiment on first use.
-
-    With the embedded SQLite store, artifacts go beside it in ``<outputs>/mlartifacts``.
-    """
-    os.makedirs(outputs, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
+def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
+    """The experiment's id, created on first use; with the embedded SQLite store its artifacts go
+    beside the store in ``<outputs>/mlartifacts``."""
+    found = client.get_experiment_by_name(name)
     if found is not None:
-        experiment_id = found.experiment_id
-    else:
-        artifacts = (Path(outputs).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        experiment_id = client.create_experiment(experiment, artifact_location=artifacts)
-    run = client.create_run(experiment_id, run_name=run_name)
-    return client, run.info.run_id
+        return found.experiment_id
+    artifacts = (Path(outputs).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+    return client.create_experiment(name, artifact_location=artifacts)
+
+
+def sweep_parent(client: MlflowClient, experiment: str, sweep_dir: str) -> str:
+    """The parent run of a Hydra multirun, found by its sweep directory or created by its first job."""
+    found = client.search_runs([experiment], filter_string=f"tags.`{SWEEP_DIR_TAG}` = '{sweep_dir}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    name = "sweep " + "/".join(Path(sweep_dir).parts[-2:])
+    return client.create_run(experiment, run_name=name, tags={SWEEP_DIR_TAG: sweep_dir}).info.run_id
+
+
+def git_commit(path: str) -> str | None:
+    """The commit of the code at ``path`` (with ``-dirty`` for uncommitted changes), if it is a checkout."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--match=NeVeR"],
+                             cwd=path, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def start_run(client: MlflowClient, experiment: str, run_name: str | None, parent: str | None,
+              overrides: list[str], code_dir: str) -> str:
+    """Create the job's run (RUNNING), nested under ``parent`` in a sweep, tagged with the Hydra
+    overrides and the code's git commit."""
+    tags = {OVERRIDES_TAG: " ".join(overrides)[:MAX_TAG_LENGTH]}
+    if parent is not None:
+        tags[MLFLOW_PARENT_RUN_ID] = parent
+    commit = git_commit(code_dir)
+    if commit is not None:
+        tags[MLFLOW_GIT_COMMIT] = commit
+    return client.create_run(experiment, run_name=run_name, tags=tags).info.run_id
 
 
 def log_config(client: MlflowClient, run_id: str, cfg: dict, config_yaml: str) -> None:
@@ -73,6 +113,32 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
         client.log_artifact(run_id, path, "model")
 
 
-def end_run(client: MlflowClient, run_id: str, status: str) -> None:
-    """Close the run as FINISHED, FAILED or KILLED."""
+def log_learning_curve(client: MlflowClient, run_id: str, history: list[dict]) -> None:
+    """``learning_curve.png``: train/val loss and val accuracy against epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [m["epoch"] + 1 for m in history]
+    fig, loss_axis = plt.subplots(figsize=(6, 4))
+    loss_axis.plot(epochs, [m["train_loss"] for m in history], "o-", label="train_loss")
+    loss_axis.plot(epochs, [m["val_loss"] for m in history], "s-", label="val_loss")
+    loss_axis.set_xlabel("epoch")
+    loss_axis.set_ylabel("loss")
+    accuracy_axis = loss_axis.twinx()
+    accuracy_axis.plot(epochs, [m["val_accuracy"] for m in history], "^-", color="tab:green", label="val_accuracy")
+    accuracy_axis.set_ylabel("accuracy")
+    handles = loss_axis.get_legend_handles_labels()[0] + accuracy_axis.get_legend_handles_labels()[0]
+    loss_axis.legend(handles, [h.get_label() for h in handles], loc="center right")
+    loss_axis.set_xticks(epochs)
+    fig.tight_layout()
+    client.log_figure(run_id, fig, "learning_curve.png")
+    plt.close(fig)
+
+
+def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:
+    """Close the run as FINISHED, FAILED or KILLED; a failure keeps its message as a tag."""
+    if error is not None:
+        client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:MAX_TAG_LENGTH])
     client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))

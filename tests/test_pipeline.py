@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose_cfg, write_split
 from pipeline.config import PipelineError
-from pipeline.run import run
+from pipeline.run import Job, run
 
 METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")
 
@@ -32,7 +33,7 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
     """Run a job inside pytest's process, on the shared Ray runtime, as a sweep's jobs run."""
     cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", *overrides])
     run_dir = tmp_path / name
-    return run(cfg, str(run_dir), "smoke", OmegaConf.to_yaml(cfg)), run_dir
+    return run(cfg, Job(str(run_dir), "smoke", OmegaConf.to_yaml(cfg))), run_dir
 
 
 @pytest.mark.slow
@@ -50,6 +51,8 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     assert len(runs) == 1
     run_info = runs[0]
     assert run_info.info.status == "FINISHED"
+    assert "mlflow.parentRunId" not in run_info.data.tags  # a single run is not part of a sweep
+    assert run_info.data.tags["pipeline.overrides"] == "+experiment=smoke train.epochs=2 source.limit=null"
     params = run_info.data.params
     assert params["model.hidden_dim"] == "64" and params["train.epochs"] == "2"
     assert params["model._target_"] == "torchvision.models.VisionTransformer"
@@ -60,7 +63,7 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     assert 0.0 <= run_info.data.metrics["val_accuracy"] <= 1.0
 
     artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
-    assert {"config.yaml", "model"} <= artifacts
+    assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
     config = OmegaConf.load(client.download_artifacts(run_info.info.run_id, "config.yaml", str(tmp_path)))
     assert config.model.num_layers == 2 and config.train.epochs == 2
     logged = torch.load(client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)),
@@ -93,6 +96,23 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-6)
     ranks = json.loads((run_dir / "metrics.jsonl").read_text())["ranks"]
     assert len(ranks) == 2 and ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    assert leftover_actors() == []  # both jobs shared the runtime and left no training actors behind
+
+
+def leftover_actors(timeout_s: float = 30.0) -> list[str]:
+    """Processes of this pipeline's actors still alive (Ray titles them ray::ClassName...)."""
+    import psutil
+
+    names = ("RayTrainWorker", "TrainController", "_QueueActor", "SplitCoordinator")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for proc in psutil.process_iter(["cmdline"]):
+            title = " ".join(proc.info["cmdline"] or [])
+            alive += [title for name in names if title.startswith(f"ray::{name}")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(1)
 
 
 @pytest.mark.slow

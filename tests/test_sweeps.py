@@ -1,0 +1,167 @@
+"""Hydra multirun sweeps end to end: one process, one Ray runtime, a parent MLflow run per sweep,
+failed jobs recorded and summarized; the MLflow UI shows the result in a real browser."""
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from test_pipeline import run_cli
+
+GRID = ["-m", "+experiment=smoke", "optim.lr=1e-3,3e-4", "train.epochs=1,0", "ingest.batch_size=64",
+        "source.limit=256", "hydra.sweep.dir=sweep"]
+
+
+def children_of(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
+    return client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'",
+                              order_by=["attributes.start_time ASC"])
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(tmp_path_factory, data_root):
+    """A 2x2 grid in which the two train.epochs=0 jobs fail validation."""
+    workdir = tmp_path_factory.mktemp("grid")
+    result = run_cli(GRID, workdir, data_root)
+    return workdir, result
+
+
+@pytest.mark.slow
+def test_grid_sweep_runs_every_job_on_one_ray_runtime(grid_sweep):
+    workdir, result = grid_sweep
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output  # two jobs failed, so the sweep fails at the end
+    assert output.count("Ray runtime up") == 1  # the second training job reused the runtime
+    assert "4 jobs, 2 failed" in output
+    table = output[output.index("4 jobs, 2 failed"):]
+    assert re.search(r"0\s+FINISHED\s+[\d.]+\s+\+experiment=smoke optim.lr=0.001 train.epochs=1", table)
+    assert re.search(r"1\s+FAILED\s+nan\s+.*train.epochs=0", table)
+    assert "train.epochs must be >= 1, got 0" in table
+    for job in range(4):
+        assert (workdir / "sweep" / str(job) / ".hydra" / "overrides.yaml").exists()
+    assert (workdir / "sweep" / "0" / "metrics.jsonl").exists() and (workdir / "sweep" / "2" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
+    workdir, _ = grid_sweep
+    client = MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and len(runs) == 5
+    parent = parents[0]
+    assert parent.data.tags["pipeline.sweep_dir"] == str(workdir / "sweep")
+    assert parent.info.status == "FAILED"  # not every job succeeded
+
+    children = children_of(client, experiment.experiment_id, parent.info.run_id)
+    assert [c.data.params["optim.lr"] for c in children] == ["0.001", "0.001", "0.0003", "0.0003"]
+    assert [c.data.params["train.epochs"] for c in children] == ["1", "0", "1", "0"]
+    assert [c.info.status for c in children] == ["FINISHED", "FAILED", "FINISHED", "FAILED"]
+    assert "train.epochs must be >= 1, got 0" in children[1].data.tags["pipeline.error"]
+    assert children[0].info.run_name == "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256"
+    for child in children:
+        assert child.data.tags["pipeline.overrides"].startswith("+experiment=smoke optim.lr=")
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", child.data.tags["mlflow.source.git.commit"])
+    finished = [c for c in children if c.info.status == "FINISHED"]
+    for child in finished:
+        assert {"learning_curve.png", "config.yaml", "model"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+    best = max(finished, key=lambda c: c.data.metrics["val_accuracy"])
+    assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id
+    assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
+
+
+@pytest.mark.slow
+def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
+    result = run_cli(["+experiment=smoke", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
+                      "ingest.batch_size=64", "source.limit=256", "hydra.sweep.dir=sweep"], tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("Ray runtime up") == 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    parent = client.search_runs([experiment.experiment_id], filter_string="tags.`pipeline.sweep_dir` LIKE '%sweep'")[0]
+    children = children_of(client, experiment.experiment_id, parent.info.run_id)
+    assert [c.info.status for c in children] == ["FINISHED", "FINISHED"]
+    lrs = [float(c.data.params["optim.lr"]) for c in children]
+    assert all(1e-4 <= lr <= 3e-3 for lr in lrs) and lrs[0] != lrs[1]  # sampled, not the default
+    results = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    best = max(children, key=lambda c: c.data.metrics["val_accuracy"])
+    assert results["best_value"] == pytest.approx(best.data.metrics["val_accuracy"])
+    assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_ui(grid_sweep):
+    """A real MLflow server on loopback over the sweep's store."""
+    workdir, _ = grid_sweep
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}", "--workers", "1"],
+        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.5)
+    yield workdir, url
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    workdir, url = mlflow_ui
+    client = MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    child = next(r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" in r.data.tags)
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}", "--window-size=1400,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        wait = WebDriverWait(driver, 60)
+        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs")  # the training-runs table
+        wait.until(lambda d: parent.info.run_name in d.find_element("tag name", "body").text)
+        assert "5 matching runs" in driver.find_element("tag name", "body").text  # the parent and 4 children
+        driver.save_screenshot(str(tmp_path / "experiment.png"))
+
+        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}")
+        accuracy = f"{child.data.metrics['val_accuracy']:.4g}"[:4]
+        wait.until(lambda d: child.info.run_name in d.find_element("tag name", "body").text
+                   and "val_accuracy" in d.find_element("tag name", "body").text)
+        body = driver.find_element("tag name", "body").text
+        driver.save_screenshot(str(tmp_path / "run.png"))
+    finally:
+        driver.quit()
+    assert child.info.run_name in body and "val_accuracy" in body and accuracy in body
+    assert (tmp_path / "experiment.png").stat().st_size > 10_000
