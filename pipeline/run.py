@@ -139,25 +139,27 @@ def run(cfg: dict, job: Job) -> dict:
     """Run one experiment from its resolved config; returns the last epoch's metrics."""
     job.run_dir = os.path.abspath(job.run_dir)
     console.quiet_libraries()
-    client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-    experiment = cfg["tracking"]["experiment_name"] or job.experiment
-    run_name = cfg["tracking"]["run_name"] or job.run_name
 
-    def open_run() -> str:
-        experiment_id = tracking.experiment_id(client, uri, experiment, cfg["paths"]["outputs"])
+    def open_run() -> tuple:
+        """The store and this job's run in it, created only once there is something to record."""
+        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        experiment_id = tracking.experiment_id(client, uri, cfg["tracking"]["experiment_name"] or job.experiment,
+                                               cfg["paths"]["outputs"])
         parent = tracking.sweep_parent(client, experiment_id, job.sweep_dir) if job.sweep_dir else None
-        run_id = tracking.start_run(client, experiment_id, run_name, parent, job.overrides, CODE_DIR)
+        run_id = tracking.start_run(client, experiment_id, cfg["tracking"]["run_name"] or job.run_name, parent,
+                                    job.overrides, CODE_DIR)
         tracking.log_config(client, run_id, cfg, job.config_yaml)
-        return run_id
+        return client, uri, run_id
 
     try:
         splits = preflight(cfg)
     except PipelineError as err:
-        if job.sweep_dir:
-            tracking.end_run(client, open_run(), "FAILED", err)
+        if job.sweep_dir:  # a sweep keeps a record of every job it tried
+            client, _, run_id = open_run()
+            tracking.end_run(client, run_id, "FAILED", err)
         raise
     os.makedirs(job.run_dir, exist_ok=True)
-    run_id = open_run()
+    client, uri, run_id = open_run()
     log.info("MLflow run %s in %s; outputs in %s", run_id, uri, job.run_dir)
     try:
         history = train_and_track(cfg, job, splits, client, run_id)
