@@ -26,9 +26,8 @@ def better(metric: str) -> int:
     return -1 if metric.endswith("loss") else 1
 
 
-def summarize(client, experiment_id: str, sweep_dir: str, metric: str) -> tuple[list[dict], dict | None]:
+def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[list[dict], dict | None]:
     """Every child of the sweep's parent run, in job order, and the best finished one."""
-    parent = tracking.sweep_parent(client, experiment_id, sweep_dir)
     children = client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent}'",
                                   order_by=["attributes.start_time ASC"])
     jobs = [{
@@ -65,8 +64,8 @@ class SweepSummary(Callback):
         if found is None:
             log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, name, uri)
             sys.exit(1)
-        jobs, best = summarize(client, found.experiment_id, sweep_dir, metric)
         parent = tracking.sweep_parent(client, found.experiment_id, sweep_dir)
+        jobs, best = summarize(client, found.experiment_id, parent, metric)
         failed = [j for j in jobs if j["status"] != "FINISHED"]
         if best is not None:
             client.set_tag(parent, "pipeline.best_run_id", best["run_id"])

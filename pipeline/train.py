@@ -108,7 +108,8 @@ def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int 
 def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, epoch, device, progress) -> dict:
     features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
     model.train()
-    loss_sum, seen, last_sent = 0.0, 0, time.monotonic()
+    # Sums stay on the device: a .item() per step would stall a GPU on every batch.
+    loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, time.monotonic()
     start = time.perf_counter()
     for step, batch in enumerate(batches, start=1):
         with autocast:
@@ -119,13 +120,13 @@ def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, ep
         scaler.update()
         if scheduler is not None:
             scheduler.step()
-        loss_sum += loss.item() * len(batch[labels])
+        loss_sum += loss.detach().double() * len(batch[labels])
         seen += len(batch[labels])
         if progress is not None and time.monotonic() - last_sent >= PROGRESS_INTERVAL_S:
             progress({"epoch": epoch, "step": step, "loss": loss.item()})
             last_sent = time.monotonic()
     elapsed = time.perf_counter() - start
-    total_loss, total_seen = _sum_over_workers([loss_sum, seen], device)
+    total_loss, total_seen = _sum_over_workers([loss_sum.item(), seen], device)
     return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed}
 
 
@@ -135,14 +136,15 @@ def evaluate(model, autocast, batches, cfg) -> dict:
     features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
     model.eval()
     device = next(model.parameters()).device
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct, count = torch.zeros((), dtype=torch.int64, device=device), 0
     for batch in batches:
         with autocast:
             logits = model(batch[features])
-        loss_sum += torch.nn.functional.cross_entropy(logits.float(), batch[labels], reduction="sum").item()
-        correct += (logits.argmax(dim=1) == batch[labels]).sum().item()
+        loss_sum += torch.nn.functional.cross_entropy(logits.float(), batch[labels], reduction="sum").double()
+        correct += (logits.argmax(dim=1) == batch[labels]).sum()
         count += len(batch[labels])
-    loss_sum, correct, count = _sum_over_workers([loss_sum, correct, count], device)
+    loss_sum, correct, count = _sum_over_workers([loss_sum.item(), correct.item(), count], device)
     return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
 
 
