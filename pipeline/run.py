@@ -120,7 +120,7 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
         trainer = train.build_trainer(cfg, datasets, job.run_dir, steps, events)
         with console.follow(events, cfg["train"]["epochs"], steps, on_report):
             try:
-                result = trainer.fit()
+                result = train.fit(trainer)
             except ray.train.WorkerGroupError as err:
                 raise explain(err) from err
         if not history:

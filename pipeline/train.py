@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -211,6 +213,20 @@ class _ReportRelay(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
+
+
+def fit(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()``, then the SIGINT handler it replaced is put back.
+
+    Ray Train installs a handler that holds the run's controller actor; left in place, that actor and
+    its dataset split coordinators outlive the run, and a sweep would pile them up job after job.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
 
 
 def build_trainer(cfg: dict, datasets: dict, storage_path: str, steps: int, events: Any) -> TorchTrainer:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -95,6 +96,24 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-6)
     ranks = json.loads((run_dir / "metrics.jsonl").read_text())["ranks"]
     assert len(ranks) == 2 and ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    assert leftover_actors() == []  # both jobs shared the runtime and left no training actors behind
+
+
+def leftover_actors(timeout_s: float = 30.0) -> list[str]:
+    """Processes of this pipeline's actors still alive (Ray titles them ray::ClassName...)."""
+    names = ("RayTrainWorker", "TrainController", "_QueueActor", "SplitCoordinator")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                title = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # the process ended while we looked
+                continue
+            alive += [title for name in names if title.startswith(f"ray::{name}")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(1)
 
 
 @pytest.mark.slow
