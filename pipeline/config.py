@@ -25,6 +25,19 @@ class PipelineError(Exception):
 
 
 @dataclass
+class S3Config:
+    """How to reach S3 or an S3-compatible store. There are no credential fields on purpose: the AWS
+    SDK reads them from the environment, AWS_PROFILE or an instance role (pipeline/filesystems.py)."""
+
+    region: Optional[str] = None  # null: the AWS SDK's default (AWS_DEFAULT_REGION, profile, us-east-1)
+    endpoint_url: Optional[str] = "${oc.env:AWS_ENDPOINT_URL,null}"  # MinIO, Ceph, R2: http(s)://host:port
+    anonymous: bool = False  # public buckets; s3://anonymous@bucket/... does the same per path
+    connect_timeout_s: float = 5.0  # an unreachable endpoint fails after about this x max_attempts
+    request_timeout_s: float = 30.0
+    max_attempts: int = 3
+
+
+@dataclass
 class SourceConfig:
     root: str = "${oc.env:PIPELINE_DATA_DIR,data}"  # data root; relative paths resolve against the cwd
     train: str = MISSING  # parquet directory, file or glob
@@ -34,6 +47,7 @@ class SourceConfig:
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
     reader_v2: bool = False  # Ray Data's V2 parquet reader (footer-reader actors; slower to start)
+    s3: S3Config = field(default_factory=S3Config)  # used when a split is an s3:// URI
 
 
 @dataclass
@@ -74,6 +88,7 @@ class IngestConfig:
     prefetch_batches: int = 2
     local_shuffle_buffer_size: Optional[int] = None  # rows; null: no per-worker shuffle
     drop_last: bool = False
+    preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost
 
 
 @dataclass
@@ -96,6 +111,14 @@ class PathsConfig:
 
 
 @dataclass
+class StorageConfig:
+    """Ray Train's run storage: checkpoints and run state, which every node must reach."""
+
+    path: Optional[str] = None  # null: the job's output directory; s3://bucket/prefix or a shared path
+    s3: S3Config = field(default_factory=S3Config)  # used when path is an s3:// URI
+
+
+@dataclass
 class PipelineConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
@@ -108,6 +131,7 @@ class PipelineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     optimized_metric: str = "val_accuracy"  # what the entry point returns to a sweeper (Optuna)
 
 
@@ -215,5 +239,8 @@ def validate(cfg: dict) -> None:
         f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "
         f"among scaling.num_workers ({scaling['num_workers']}).",
     )
+    for key, s3 in (("source.s3", cfg["source"]["s3"]), ("storage.s3", cfg["storage"]["s3"])):
+        _require(s3["max_attempts"] >= 1, f"{key}.max_attempts must be >= 1, got {s3['max_attempts']}.")
+        _require(s3["connect_timeout_s"] > 0 and s3["request_timeout_s"] > 0, f"{key}: timeouts must be > 0.")
     limit = cfg["source"]["limit"]
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")

@@ -82,10 +82,13 @@ def explain(err: ray.train.WorkerGroupError) -> PipelineError:
     )
 
 
-def preflight(cfg: dict) -> dict[str, tuple[list[str], int]]:
-    """Config and data checks that need no Ray: ``{split: (files, rows)}`` or a PipelineError."""
+def preflight(cfg: dict) -> dict[str, source.Split]:
+    """Config, data and storage checks that need no Ray: the checked splits, or a PipelineError."""
     validate(cfg)
-    return source.prepare(cfg["source"])
+    splits = source.prepare(cfg["source"])
+    if cfg["storage"]["path"] is not None:
+        train.check_storage(cfg["storage"]["path"], cfg["storage"]["s3"])
+    return splits
 
 
 def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> list[dict]:
@@ -98,10 +101,10 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
     datasets = {
-        split: preprocess.apply(source.read(files, src["limit"], columns, src["reader_v2"]), cfg["transforms"][split])
-        for split, (files, _) in splits.items()
+        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name])
+        for name, split in splits.items()
     }
-    steps = train.steps_per_epoch(splits["train"][1], cfg["scaling"]["num_workers"],
+    steps = train.steps_per_epoch(splits["train"].rows, cfg["scaling"]["num_workers"],
                                   cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
@@ -117,7 +120,9 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
         return metrics
 
     try:
-        trainer = train.build_trainer(cfg, datasets, job.run_dir, steps, events)
+        storage = train.run_storage(cfg["storage"], job.run_dir, run_id)
+        client.set_tag(run_id, tracking.STORAGE_TAG, storage.uri)
+        trainer = train.build_trainer(cfg, datasets, storage, steps, events)
         with console.follow(events, cfg["train"]["epochs"], steps, on_report):
             try:
                 result = train.fit(trainer)
@@ -160,7 +165,7 @@ def run(cfg: dict, job: Job) -> dict:
         raise
     os.makedirs(job.run_dir, exist_ok=True)
     client, uri, run_id = open_run()
-    log.info("MLflow run %s in %s; outputs in %s", run_id, uri, job.run_dir)
+    log.info("MLflow run %s in %s; outputs in %s", run_id, tracking.redact(uri), job.run_dir)
     try:
         history = train_and_track(cfg, job, splits, client, run_id)
     except KeyboardInterrupt as err:
@@ -171,5 +176,5 @@ def run(cfg: dict, job: Job) -> dict:
         raise
     tracking.end_run(client, run_id, "FINISHED")
     log.info("finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
-             history[-1]["val_accuracy"], uri)
+             history[-1]["val_accuracy"], tracking.redact(uri))
     return {k: history[-1][k] for k in EPOCH_METRICS}

@@ -1,6 +1,7 @@
 """Source stage: find the parquet files of each split, check them on the driver, read them lazily.
 
-Checks read only parquet footers, so a missing path or column fails in milliseconds, before Ray
+Splits are local paths or ``s3://`` URIs. Checks read only parquet footers, so a missing path,
+bucket or column fails in milliseconds (an unreachable endpoint within its timeouts), before Ray
 starts a worker.
 """
 from __future__ import annotations
@@ -10,44 +11,74 @@ import io
 import os
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.config import PipelineError
+from pipeline.filesystems import is_s3, locate, s3_error
 
 SPLITS = ("train", "valid")
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
-def parquet_files(path: str) -> list[str]:
-    """The parquet files a split path names: a file, a directory (searched recursively) or a glob."""
-    if glob.has_magic(path):
-        files = sorted(glob.glob(path, recursive=True))
-    elif os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*.parquet"))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        files = []
-    return [os.path.abspath(f) for f in files if os.path.isfile(f)]
+@dataclass
+class Split:
+    """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on."""
+
+    files: list[str]
+    rows: int
+    filesystem: pafs.FileSystem
 
 
-def check_split(split: str, path: str, columns: list[str]) -> tuple[list[str], int]:
-    """Return the split's files and total row count, or fail naming the path, file or column."""
-    files = parquet_files(path)
-    if not files:
-        raise PipelineError(
-            f"source.{split}: no parquet files at {path!r} (resolved to {os.path.abspath(path)!r}). "
-            "Set PIPELINE_DATA_DIR to the directory that holds the data (for CIFAR-10 it must contain "
-            f"cifar10/train and cifar10/test), or set source.root / source.{split} to a directory, file or glob."
-        )
+def parquet_files(fs: pafs.FileSystem, path: str) -> list[str]:
+    """The parquet files a split path names: a file, a directory or prefix (searched recursively),
+    or, for local paths, a glob."""
+    if isinstance(fs, pafs.LocalFileSystem) and glob.has_magic(path):
+        return sorted(os.path.abspath(f) for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [path]
+    if info.type != pafs.FileType.Directory:
+        return []
+    found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    return sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet"))
+
+
+def _missing(split: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineError:
+    if is_s3(uri):
+        bucket = path.split("/", 1)[0]
+        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            return PipelineError(f"source.{split}: the bucket {bucket!r} of {uri} does not exist (or is not "
+                                 "visible with these credentials). Check the bucket name and source.s3.endpoint_url.")
+        return PipelineError(f"source.{split}: no parquet files under {uri}. Check the prefix (source.root / "
+                             f"source.{split}); files must end in .parquet.")
+    return PipelineError(
+        f"source.{split}: no parquet files at {uri!r} (resolved to {path!r}). "
+        "Set PIPELINE_DATA_DIR to the directory that holds the data (for CIFAR-10 it must contain "
+        f"cifar10/train and cifar10/test), or set source.root / source.{split} to a directory, file, glob or s3:// URI."
+    )
+
+
+def check_split(split: str, uri: str, columns: list[str], s3: dict) -> Split:
+    """Find the split's files and count its rows from their footers, or fail naming the path, file or column."""
+    fs, path = locate(uri, s3, f"source.{split}")
+    try:
+        files = parquet_files(fs, path)
+        if not files:
+            raise _missing(split, uri, fs, path)
+    except OSError as err:
+        if is_s3(uri):
+            raise s3_error(f"source.{split}", uri, err) from err
+        raise PipelineError(f"source.{split}: cannot list {path} ({err}).") from err
     rows = 0
     for file in files:
         try:
-            meta = pq.read_metadata(file)
-            schema = pq.read_schema(file)
+            schema = pq.read_schema(file, filesystem=fs)
+            rows += pq.read_metadata(file, filesystem=fs).num_rows
         except (pa.ArrowInvalid, OSError) as err:
             raise PipelineError(f"source.{split}: {file} is not a readable parquet file ({err}).") from err
         missing = [c for c in columns if c not in schema.names]
@@ -56,32 +87,34 @@ def check_split(split: str, path: str, columns: list[str]) -> tuple[list[str], i
                 f"source.{split}: {file} has no column {', '.join(map(repr, missing))} "
                 f"(it has {', '.join(schema.names)}). Set source.feature_column / source.label_column."
             )
-        rows += meta.num_rows
-    return files, rows
+    return Split(files, rows, fs)
 
 
-def prepare(source: dict) -> dict[str, tuple[list[str], int]]:
-    """Resolve and check every split, downloading the data first when it is missing and allowed.
+def prepare(source: dict) -> dict[str, Split]:
+    """Resolve and check every split, downloading the data first when it is local, missing and allowed.
 
-    Returns ``{split: (files, rows)}`` with ``rows`` already capped by ``source.limit``.
+    Row counts come back already capped by ``source.limit``.
     """
     columns = [source["feature_column"], source["label_column"]]
-    if source["download"] is not None and not all(parquet_files(source[s]) for s in SPLITS):
+    local = not any(is_s3(source[s]) for s in SPLITS)
+    if local and source["download"] is not None and not all(parquet_files(pafs.LocalFileSystem(), os.path.abspath(source[s])) for s in SPLITS):
         from hydra.utils import instantiate
 
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
-    checked = {split: check_split(split, source[split], columns) for split in SPLITS}
+    checked = {split: check_split(split, source[split], columns, source["s3"]) for split in SPLITS}
     limit = source["limit"]
-    return {s: (files, rows if limit is None else min(rows, limit)) for s, (files, rows) in checked.items()}
+    for split in checked.values():
+        split.rows = split.rows if limit is None else min(split.rows, limit)
+    return checked
 
 
-def read(files: list[str], limit: int | None, columns: list[str], reader_v2: bool):
-    """A lazy Ray Dataset over the files (nothing is read until a worker iterates)."""
+def read(split: Split, limit: int | None, columns: list[str], reader_v2: bool):
+    """A lazy Ray Dataset over the split's files (nothing is read until a worker iterates)."""
     import ray.data
 
     ray.data.DataContext.get_current().use_datasource_v2 = reader_v2
-    ds = ray.data.read_parquet(files, columns=columns)
+    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns)
     return ds if limit is None else ds.limit(limit)
 
 

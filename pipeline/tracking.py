@@ -6,6 +6,7 @@ leaks between the jobs of a sweep or into worker processes.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -23,6 +24,15 @@ MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
 SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
+STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
+
+
+_URI_PASSWORD = re.compile(r"(://[^/@\s:]+):[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``https://user:token@host`` -> ``https://user:***@host``: secrets in URIs stay out of MLflow and logs."""
+    return _URI_PASSWORD.sub(r"\1:***@", text)
 
 
 def resolve_uri(uri: str | None, outputs: str) -> str:
@@ -81,7 +91,7 @@ def start_run(client: MlflowClient, experiment: str, run_name: str | None, paren
               overrides: list[str], code_dir: str) -> str:
     """Create the job's run (RUNNING), nested under ``parent`` in a sweep, tagged with the Hydra
     overrides and the code's git commit."""
-    tags = {OVERRIDES_TAG: " ".join(overrides)[:MAX_TAG_LENGTH]}
+    tags = {OVERRIDES_TAG: redact(" ".join(overrides))[:MAX_TAG_LENGTH]}
     if parent is not None:
         tags[MLFLOW_PARENT_RUN_ID] = parent
     commit = git_commit(code_dir)
@@ -92,10 +102,10 @@ def start_run(client: MlflowClient, experiment: str, run_name: str | None, paren
 
 def log_config(client: MlflowClient, run_id: str, cfg: dict, config_yaml: str) -> None:
     """The resolved config twice: flattened as params (searchable) and whole as ``config.yaml``."""
-    params = [Param(key, value) for key, value in flatten(cfg).items()]
+    params = [Param(key, redact(value)) for key, value in flatten(cfg).items()]
     for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[start : start + MAX_PARAMS_PER_BATCH])
-    client.log_text(run_id, config_yaml, "config.yaml")
+    client.log_text(run_id, redact(config_yaml), "config.yaml")
 
 
 def log_epoch(client: MlflowClient, run_id: str, metrics: dict, epoch: int) -> None:

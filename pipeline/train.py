@@ -12,8 +12,10 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray.data
 import ray.train
 import ray.train.torch
@@ -24,9 +26,40 @@ from ray.train import CheckpointConfig, DataConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pipeline.config import PipelineError
+from pipeline.filesystems import is_s3, locate, s3_error
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PROGRESS_INTERVAL_S = 0.5
+
+
+@dataclass
+class RunStorage:
+    """Where Ray Train keeps a run's checkpoints: ``path``/``name`` on ``filesystem``, shown as ``uri``."""
+
+    path: str
+    name: str
+    filesystem: pafs.FileSystem | None  # None: the local filesystem
+    uri: str
+
+
+def run_storage(storage: dict, run_dir: str, run_id: str) -> RunStorage:
+    """``storage.path`` null keeps checkpoints in the job's output directory (``<run_dir>/train``);
+    a shared path or ``s3://`` URI holds each run under its MLflow run id, so runs never collide."""
+    if storage["path"] is None:
+        return RunStorage(run_dir, "train", None, os.path.join(run_dir, "train"))
+    fs, path = locate(storage["path"], storage["s3"], "storage.path")
+    return RunStorage(path, run_id, fs, f"{storage['path'].rstrip('/')}/{run_id}")
+
+
+def check_storage(uri: str, s3: dict) -> None:
+    """Create the storage directory now, so a missing bucket or a read-only store fails before training."""
+    fs, path = locate(uri, s3, "storage.path")
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError as err:
+        if is_s3(uri):
+            raise s3_error("storage.path", uri, err) from err
+        raise PipelineError(f"storage.path: cannot create {uri} ({err}).") from err
 
 
 def trainer_settings(scaling: dict) -> tuple[ScalingConfig, TorchConfig]:
@@ -229,13 +262,14 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
             signal.signal(signal.SIGINT, previous)
 
 
-def build_trainer(cfg: dict, datasets: dict, storage_path: str, steps: int, events: Any) -> TorchTrainer:
+def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, events: Any) -> TorchTrainer:
     """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     data_cpus = cfg["scaling"]["data_cpus"]
-    execution_options = None
+    execution_options = DataConfig.default_ingest_options()
+    execution_options.preserve_order = cfg["ingest"]["preserve_order"]
     if data_cpus is not None:
-        execution_options = ray.data.ExecutionOptions(resource_limits=ray.data.ExecutionResources(cpu=data_cpus))
+        execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "events": events, "steps_per_epoch": steps},
@@ -244,8 +278,9 @@ def build_trainer(cfg: dict, datasets: dict, storage_path: str, steps: int, even
         datasets=datasets,
         dataset_config=DataConfig(execution_options=execution_options),
         run_config=RunConfig(
-            name="train",
-            storage_path=storage_path,
+            name=storage.name,
+            storage_path=storage.path,
+            storage_filesystem=storage.filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg["train"]["num_to_keep"]),
             callbacks=[_ReportRelay(events)],
         ),

@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
+import socket
+import time
 from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Tests never reach real AWS: fake credentials whose secret is random (the leak test searches every
+# output for it), no profile, no instance-metadata lookups. Set before Ray starts, so workers inherit them.
+AWS_SECRET = f"pipeline-test-secret-{secrets.token_hex(12)}"
+os.environ.update(AWS_ACCESS_KEY_ID="pipeline-test-key", AWS_SECRET_ACCESS_KEY=AWS_SECRET,
+                  AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE"):
+    os.environ.pop(variable, None)
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +59,25 @@ def data_root(tmp_path_factory) -> Path:
     write_split(root / "cifar10" / "train", 512, 2, seed=1)
     write_split(root / "cifar10" / "test", 256, 1, seed=2)
     return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    """Block until a server listens on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
 
 
 def compose_cfg(overrides: list[str] = ()) -> dict:

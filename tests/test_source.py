@@ -1,50 +1,53 @@
 """The source stage's driver-side checks: they must fail fast and name the path, file or column."""
 from __future__ import annotations
 
+import pyarrow.fs as pafs
 import pytest
 
-from conftest import write_split
+from conftest import compose_cfg, write_split
 from pipeline.config import PipelineError
 from pipeline.source import check_split, parquet_files, prepare
 
+LOCAL = pafs.LocalFileSystem()
+COLUMNS = ["image", "label"]
 
-def source_cfg(root, **changes) -> dict:
-    cfg = {"root": str(root), "train": f"{root}/cifar10/train", "valid": f"{root}/cifar10/test",
-           "feature_column": "image", "label_column": "label", "limit": None, "download": None}
-    return {**cfg, **changes}
+
+def source_cfg(root, *overrides: str) -> dict:
+    return compose_cfg([f"source.root={root}", "source.download=null", *overrides])["source"]
 
 
 def test_directory_glob_and_file_name_the_same_files(data_root):
-    directory = parquet_files(str(data_root / "cifar10" / "train"))
+    directory = parquet_files(LOCAL, str(data_root / "cifar10" / "train"))
     assert len(directory) == 2
-    assert parquet_files(str(data_root / "cifar10" / "train" / "*.parquet")) == directory
-    assert parquet_files(directory[0]) == directory[:1]
+    assert parquet_files(LOCAL, str(data_root / "cifar10" / "train" / "*.parquet")) == directory
+    assert parquet_files(LOCAL, directory[0]) == directory[:1]
 
 
 def test_prepare_counts_rows_and_applies_the_limit(data_root):
-    assert {s: rows for s, (_, rows) in prepare(source_cfg(data_root)).items()} == {"train": 512, "valid": 256}
-    assert {s: rows for s, (_, rows) in prepare(source_cfg(data_root, limit=300)).items()} == {"train": 300, "valid": 256}
+    assert {s: split.rows for s, split in prepare(source_cfg(data_root)).items()} == {"train": 512, "valid": 256}
+    limited = prepare(source_cfg(data_root, "source.limit=300"))
+    assert {s: split.rows for s, split in limited.items()} == {"train": 300, "valid": 256}
 
 
 def test_missing_path_says_how_to_point_at_data(tmp_path):
     with pytest.raises(PipelineError, match=r"source.train: no parquet files at .*nowhere.*PIPELINE_DATA_DIR"):
-        check_split("train", str(tmp_path / "nowhere"), ["image", "label"])
+        check_split("train", str(tmp_path / "nowhere"), COLUMNS, {})
 
 
 def test_missing_column_names_file_and_column(tmp_path):
     write_split(tmp_path / "train", 8, 1, seed=0, columns=("image",))
     with pytest.raises(PipelineError, match=r"part-00000.parquet has no column 'label' \(it has image\)"):
-        check_split("train", str(tmp_path / "train"), ["image", "label"])
+        check_split("train", str(tmp_path / "train"), COLUMNS, {})
 
 
 def test_corrupt_parquet_names_the_file(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(PipelineError, match=r"bad.parquet is not a readable parquet file"):
-        check_split("valid", str(tmp_path), ["image", "label"])
+        check_split("valid", str(tmp_path), COLUMNS, {})
 
 
 def test_offline_download_fails_with_a_clear_message(tmp_path):
     """Port 9 on loopback refuses at once: the same path as a machine without internet."""
     download = {"_target_": "pipeline.source.download_cifar10", "url": "http://127.0.0.1:9/cifar-10-python.tar.gz"}
     with pytest.raises(PipelineError, match=r"CIFAR-10 is not at .*downloading it .* failed.*PIPELINE_DATA_DIR"):
-        prepare(source_cfg(tmp_path, download=download))
+        prepare({**source_cfg(tmp_path), "download": download})

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow import MlflowClient
 
+from conftest import free_port, wait_for_port
 from test_pipeline import run_cli
 
 GRID = ["-m", "+experiment=smoke", "optim.lr=1e-3,3e-4", "train.epochs=1,0", "ingest.batch_size=64",
@@ -98,12 +97,6 @@ def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_ui(grid_sweep):
     """A real MLflow server on loopback over the sweep's store."""
@@ -113,15 +106,8 @@ def mlflow_ui(grid_sweep):
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}", "--workers", "1"],
         cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.5)
-    yield workdir, url
+    wait_for_port(port)
+    yield workdir, f"http://127.0.0.1:{port}"
     server.terminate()
     server.wait(timeout=30)
 

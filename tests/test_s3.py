@@ -1,0 +1,217 @@
+"""S3 sources and run storage against real S3 HTTP servers (moto) on 127.0.0.1.
+
+One server accepts any credentials and holds the generated data; a second checks credentials and
+IAM policies, for the access-denied and credential-chain cases.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pyarrow.fs as pafs
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from conftest import AWS_SECRET, compose_cfg, free_port, wait_for_port
+from pipeline.config import PipelineError
+from pipeline.source import prepare
+from pipeline.train import check_storage
+from test_pipeline import in_process, run_cli
+
+DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(data_root):
+    """A moto S3 server with bucket ``data`` (the generated CIFAR-like splits) and bucket ``runs``."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
+    fs.create_dir("data")
+    fs.create_dir("runs")
+    pafs.copy_files(str(data_root / "cifar10"), "data/cifar10", destination_filesystem=fs)
+    yield endpoint
+    server.stop()
+
+
+def s3_source(endpoint: str, root: str, *overrides: str) -> dict:
+    return compose_cfg(["source=s3", f"source.root={root}", f"source.s3.endpoint_url={endpoint}",
+                        "source.s3.anonymous=false", "source.s3.region=us-east-1", *overrides])["source"]
+
+
+def files_containing(root: Path, needle: bytes) -> list[str]:
+    hits = []
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            try:
+                if needle in path.read_bytes():
+                    hits.append(str(path))
+            except OSError:
+                continue
+    return hits
+
+
+@pytest.mark.slow
+def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_they_belong(
+        tmp_path, data_root, s3_endpoint, ray_runtime, monkeypatch):
+    # One worker, no random augmentation and file order: both runs see identical batches (random crops
+    # and flips are not seeded yet, so with them no two runs match, local or not).
+    common = ["+experiment=smoke", "source.limit=null", "ingest.batch_size=64", "scaling.num_workers=1",
+              "transforms.train.crop=null", "transforms.train.flip=null", "ingest.preserve_order=true"]
+    remote = run_cli([*common, "source=s3", "source.root=s3://data/cifar10", f"source.s3.endpoint_url={s3_endpoint}",
+                      "source.s3.anonymous=false", "source.s3.region=us-east-1", "storage.path=s3://runs/checkpoints",
+                      f"storage.s3.endpoint_url={s3_endpoint}", "hydra.run.dir=run"], tmp_path, data_root)
+    output = remote.stdout + remote.stderr
+    assert remote.returncode == 0, output
+    ray_logs = Path("/tmp/ray/session_latest/logs").resolve()  # the CLI run's Ray session, the newest
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["source.train"] == "s3://data/cifar10/train"
+    storage = f"s3://runs/checkpoints/{run.info.run_id}"
+    assert run.data.tags["pipeline.storage"] == storage
+
+    # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
+    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint)
+    saved = [f.path for f in fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True))
+             if f.path.endswith("/checkpoint.pt")]
+    assert len(saved) == 1
+    with fs.open_input_file(saved[0]) as stream:
+        checkpoint = torch.load(stream, weights_only=True)
+    logged = torch.load(client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)),
+                        weights_only=True)
+    assert checkpoint["epoch"] == 0 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
+    assert not (tmp_path / "run" / "train").exists()  # nothing fell back to local storage
+
+    # The secret the AWS SDK used is nowhere: console, MLflow store and artifacts, run dir, Ray's logs.
+    secret = AWS_SECRET.encode()
+    assert secret not in output.encode()
+    assert files_containing(tmp_path, secret) == []
+    assert files_containing(ray_logs, secret) == []
+
+    # The same job from local files gives the same validation results at the same seed.
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    local, _ = in_process(tmp_path / "local", "run", common[1:])
+    assert local["val_accuracy"] == run.data.metrics["val_accuracy"]
+    assert local["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
+
+
+def test_s3_source_counts_rows_like_the_local_one(data_root, s3_endpoint):
+    splits = prepare(s3_source(s3_endpoint, "s3://data/cifar10"))
+    assert {name: (len(s.files), s.rows) for name, s in splits.items()} == {"train": (2, 512), "valid": (1, 256)}
+    assert splits["train"].files == ["data/" + f for f in DATA_FILES[:2]]
+
+
+@pytest.mark.parametrize(("root", "overrides", "message"), [
+    ("s3://nobucket/cifar10", [], r"source.train: the bucket 'nobucket' of s3://nobucket/cifar10/train does not exist"),
+    ("s3://data/empty", [], r"source.train: no parquet files under s3://data/empty/train"),
+    ("s3://key:hunter2@data/cifar10", [], r"source.train: the s3:// URI carries credentials"),
+])
+def test_s3_source_errors_name_the_key_and_uri(s3_endpoint, root, overrides, message):
+    with pytest.raises(PipelineError, match=message) as caught:
+        prepare(s3_source(s3_endpoint, root, *overrides))
+    assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize("server", ["refuses", "never answers"])
+def test_unreachable_endpoint_fails_within_its_timeouts(server):
+    """A closed port and a port that accepts but never answers: both end within the configured bounds."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    if server == "never answers":
+        listener.listen(8)
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(PipelineError, match=r"source.train: cannot read s3://data/cifar10/train: "
+                                            r"(cannot connect to the endpoint|the endpoint did not answer in time)"):
+        prepare(s3_source(endpoint, "s3://data/cifar10", "source.s3.connect_timeout_s=1",
+                          "source.s3.request_timeout_s=1", "source.s3.max_attempts=2"))
+    assert time.monotonic() - started < 60  # a hang guard: 2 attempts of 1 s each, plus back-off
+    listener.close()
+
+
+def test_storage_in_a_missing_bucket_fails_before_training(s3_endpoint):
+    storage = compose_cfg([f"storage.s3.endpoint_url={s3_endpoint}"])["storage"]
+    with pytest.raises(PipelineError, match=r"storage.path: cannot read s3://nobucket/runs: the bucket does not exist"):
+        check_storage("s3://nobucket/runs", storage["s3"])
+
+
+@pytest.fixture(scope="module")
+def s3_with_auth(data_root, tmp_path_factory):
+    """A moto server that enforces IAM: user ``reader`` may read bucket ``data``, user ``nobody`` nothing.
+
+    Its first requests (the setup below, counted in INITIAL_NO_AUTH_ACTION_COUNT) run unchecked."""
+    port = free_port()
+    setup_requests = 1 + len(DATA_FILES) + 2 + 2 + 1
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(setup_requests)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port)
+    endpoint = f"http://127.0.0.1:{port}"
+    s3, iam = (boto3.client(name, endpoint_url=endpoint) for name in ("s3", "iam"))
+    s3.create_bucket(Bucket="data")
+    for key in DATA_FILES:
+        s3.put_object(Bucket="data", Key=key, Body=(data_root / key).read_bytes())
+    keys = {}
+    for user in ("reader", "nobody"):
+        iam.create_user(UserName=user)
+        keys[user] = iam.create_access_key(UserName=user)["AccessKey"]
+    iam.put_user_policy(UserName="reader", PolicyName="read-data", PolicyDocument="""{"Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
+                       "Resource": ["arn:aws:s3:::data", "arn:aws:s3:::data/*"]}]}""")
+    yield endpoint, keys
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def use_keys(monkeypatch, key: dict) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+
+
+def test_credentials_come_from_the_environment(s3_with_auth, monkeypatch):
+    endpoint, keys = s3_with_auth
+    use_keys(monkeypatch, keys["reader"])
+    assert prepare(s3_source(endpoint, "s3://data/cifar10"))["train"].rows == 512
+
+
+def test_credentials_come_from_an_aws_profile(s3_with_auth, monkeypatch, tmp_path):
+    endpoint, keys = s3_with_auth
+    (tmp_path / "credentials").write_text(f"[pipeline]\naws_access_key_id = {keys['reader']['AccessKeyId']}\n"
+                                          f"aws_secret_access_key = {keys['reader']['SecretAccessKey']}\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "pipeline")
+    assert prepare(s3_source(endpoint, "s3://data/cifar10"))["valid"].rows == 256
+
+
+def test_access_denied_is_a_clear_error(s3_with_auth, monkeypatch):
+    endpoint, keys = s3_with_auth
+    use_keys(monkeypatch, keys["nobody"])
+    with pytest.raises(PipelineError, match=r"source.train: cannot read s3://data/cifar10/train: access denied.*"
+                                            r"AWS_ACCESS_KEY_ID"):
+        prepare(s3_source(endpoint, "s3://data/cifar10"))
+
+
+def test_cli_exits_with_the_s3_error_and_logs_nothing(tmp_path, data_root):
+    result = run_cli(["+experiment=smoke", "source=s3", "source.root=s3://data/cifar10",
+                      "source.s3.endpoint_url=http://127.0.0.1:9", "source.s3.max_attempts=1"], tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "source.train: cannot read s3://data/cifar10/train: cannot connect to the endpoint" in output
+    assert "Traceback" not in output and not (tmp_path / "outputs" / "mlflow.db").exists()
