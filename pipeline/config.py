@@ -70,7 +70,11 @@ class TrainConfig:
     seed: int = 0
     amp: bool = False  # autocast on GPU workers; ignored on CPU
     amp_dtype: str = "bfloat16"  # bfloat16 or float16 (float16 adds a GradScaler)
-    num_to_keep: Optional[int] = None  # checkpoints kept on disk; null keeps all
+    num_to_keep: Optional[int] = None  # best checkpoints kept (the latest is always kept too); null keeps all
+    checkpoint_metric: Optional[str] = None  # what "best" means, e.g. val_accuracy; null: the most recent
+    checkpoint_mode: str = "max"  # max or min of checkpoint_metric
+    max_failures: int = 0  # worker-group restarts from the latest checkpoint before the run fails; -1: no limit
+    resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
 
 
 @dataclass
@@ -230,6 +234,14 @@ def validate(cfg: dict) -> None:
              f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.")
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
     _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
+    _require(train["checkpoint_metric"] in (None, *EPOCH_METRICS),
+             f"train.checkpoint_metric must be null or one of {', '.join(EPOCH_METRICS)}, "
+             f"got {train['checkpoint_metric']!r}.")
+    _require(train["checkpoint_mode"] in ("max", "min"),
+             f"train.checkpoint_mode must be max or min, got {train['checkpoint_mode']!r}.")
+    _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
+    _require(not train["resume"] or cfg["tracking"]["run_name"],
+             "train.resume=true needs tracking.run_name: the name of the run to continue.")
     _require(train["amp_dtype"] in ("bfloat16", "float16"),
              f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.")
     _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")

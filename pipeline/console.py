@@ -1,7 +1,7 @@
 """What a person sees: a progress bar per epoch and one line of metrics per epoch.
 
-Workers and the Train controller push events into a Ray queue; a driver thread renders them, so
-``trainer.fit()`` keeps the main thread (and Ray's Ctrl-C handling).
+Workers and the Train controller push events into a Ray queue; a driver thread renders them while
+``trainer.fit()`` runs.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
     )
 
 
-def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int,
-             on_report: Callable[[dict], dict], errors: list[BaseException]) -> None:
+def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int, on_report: Callable[[dict], dict],
+             on_restore: Callable[[int], None], errors: list[BaseException]) -> None:
     bar: tqdm | None = None
     while True:
         try:
@@ -54,6 +54,12 @@ def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int,
                     bar = None
                 metrics = on_report(payload)
                 tqdm.write(format_metrics(metrics["epoch"], epochs, metrics))
+            elif kind == "restored":
+                if bar is not None:  # the interrupted epoch starts over
+                    bar.close()
+                    bar = None
+                tqdm.write(f"restored from the latest checkpoint: continuing at epoch {payload['epoch'] + 1}/{epochs}")
+                on_restore(payload["epoch"])
         except BaseException as err:  # handed to the main thread, which raises it after fit()
             errors.append(err)
     if bar is not None:
@@ -61,10 +67,12 @@ def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int,
 
 
 @contextlib.contextmanager
-def follow(events: Queue, epochs: int, steps: int, on_report: Callable[[dict], dict]) -> Iterator[None]:
-    """Render events while the body runs; then drain the queue and raise what ``on_report`` raised."""
+def follow(events: Queue, epochs: int, steps: int, on_report: Callable[[dict], dict],
+           on_restore: Callable[[int], None]) -> Iterator[None]:
+    """Render events while the body runs; then drain the queue and raise what a callback raised."""
     stop, errors = threading.Event(), []
-    thread = threading.Thread(target=_consume, args=(events, stop, epochs, steps, on_report, errors), daemon=True)
+    thread = threading.Thread(target=_consume, args=(events, stop, epochs, steps, on_report, on_restore, errors),
+                              daemon=True)
     thread.start()
     try:
         yield

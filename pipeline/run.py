@@ -6,10 +6,14 @@ shows every job it tried.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
+import signal
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import ray
@@ -91,8 +95,8 @@ def preflight(cfg: dict) -> dict[str, source.Split]:
     return splits
 
 
-def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> list[dict]:
-    """Start Ray, build the datasets, train, and log each epoch as it is reported."""
+def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resume_from: str | None) -> list[dict]:
+    """Start Ray, build the datasets, train, and log each epoch as it is reported, exactly once."""
     start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
         transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
@@ -108,11 +112,15 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
                                   cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
+    logged = tracking.logged_epochs(client, run_id)  # a resumed run already holds its first epochs
 
     def on_report(report: dict) -> dict:
         ranks = sorted(report["ranks"], key=lambda r: r["rank"])
         check_ranks_agree(ranks)
         metrics = ranks[0]
+        if metrics["epoch"] in logged:
+            raise PipelineError(f"epoch {metrics['epoch']} was reported twice; its first metrics stand in MLflow.")
+        logged.add(metrics["epoch"])
         tracking.log_epoch(client, run_id, metrics, metrics["epoch"])
         with open(os.path.join(job.run_dir, "metrics.jsonl"), "a") as out:
             out.write(json.dumps({"checkpoint": report["checkpoint"], "ranks": ranks}) + "\n")
@@ -120,10 +128,11 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
         return metrics
 
     try:
-        storage = train.run_storage(cfg["storage"], job.run_dir, run_id)
+        storage = train.run_storage(cfg["storage"], job.run_dir, run_id, resume_from)
         client.set_tag(run_id, tracking.STORAGE_TAG, storage.uri)
         trainer = train.build_trainer(cfg, datasets, storage, steps, events)
-        with console.follow(events, cfg["train"]["epochs"], steps, on_report):
+        on_restore = functools.partial(tracking.log_restore, client, run_id)
+        with console.follow(events, cfg["train"]["epochs"], steps, on_report, on_restore):
             try:
                 result = train.fit(trainer)
             except ray.train.WorkerGroupError as err:
@@ -135,8 +144,8 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str) -> l
                 tracking.log_model(client, run_id, os.path.join(path, train.CHECKPOINT_FILE))
     finally:
         ray.kill(events.actor)
-        if history:
-            tracking.log_learning_curve(client, run_id, history)
+        if logged:
+            tracking.log_learning_curve(client, run_id)
     return history
 
 
@@ -146,29 +155,36 @@ def run(cfg: dict, job: Job) -> dict:
     console.quiet_libraries()
 
     def open_run() -> tuple:
-        """The store and this job's run in it, created only once there is something to record."""
+        """The store and this job's run in it, created (or, to resume, reopened) only once there is
+        something to record. Returns the client, the store's URI, the run id and, when resuming, the
+        checkpoint location the run recorded."""
         client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
         experiment_id = tracking.experiment_id(client, uri, cfg["tracking"]["experiment_name"] or job.experiment,
                                                cfg["paths"]["outputs"])
+        if cfg["train"]["resume"]:
+            run_id, resume_from = tracking.reopen_run(client, experiment_id, cfg["tracking"]["run_name"])
+            return client, uri, run_id, resume_from
         parent = tracking.sweep_parent(client, experiment_id, job.sweep_dir) if job.sweep_dir else None
         run_id = tracking.start_run(client, experiment_id, cfg["tracking"]["run_name"] or job.run_name, parent,
                                     job.overrides, CODE_DIR)
         tracking.log_config(client, run_id, cfg, job.config_yaml)
-        return client, uri, run_id
+        return client, uri, run_id, None
 
+    if threading.current_thread() is threading.main_thread():  # SIGTERM ends the run as KILLED, like Ctrl-C
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         splits = preflight(cfg)
     except PipelineError as err:
         if job.sweep_dir:  # a sweep keeps a record of every job it tried
-            client, _, run_id = open_run()
+            client, _, run_id, _ = open_run()
             tracking.end_run(client, run_id, "FAILED", err)
         raise
     os.makedirs(job.run_dir, exist_ok=True)
-    client, uri, run_id = open_run()
+    client, uri, run_id, resume_from = open_run()
     log.info("MLflow run %s in %s; outputs in %s", run_id, tracking.redact(uri), job.run_dir)
     try:
-        history = train_and_track(cfg, job, splits, client, run_id)
-    except KeyboardInterrupt as err:
+        history = train_and_track(cfg, job, splits, client, run_id, resume_from)
+    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, SIGTERM
         tracking.end_run(client, run_id, "KILLED", err)
         raise
     except BaseException as err:

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-from pipeline.config import EPOCH_METRICS
+from pipeline.config import EPOCH_METRICS, PipelineError
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
@@ -25,6 +25,7 @@ SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
+RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 
 
 _URI_PASSWORD = re.compile(r"(://[^/@\s:]+):[^/@\s]+@")
@@ -100,6 +101,26 @@ def start_run(client: MlflowClient, experiment: str, run_name: str | None, paren
     return client.create_run(experiment, run_name=run_name, tags=tags).info.run_id
 
 
+def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[str, str]:
+    """The newest unfinished run named ``run_name``, set RUNNING again, and its checkpoint location."""
+    found = client.search_runs([experiment], filter_string=f"attributes.run_name = '{run_name}'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        raise PipelineError(f"train.resume=true: no run named {run_name!r} in this experiment to resume "
+                            "(tracking.run_name). Without train.resume a run always starts fresh.")
+    run = found[0]
+    if run.info.status == "FINISHED":
+        raise PipelineError(f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; "
+                            "start a new run instead.")
+    if STORAGE_TAG not in run.data.tags:
+        raise PipelineError(f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
+                            "so it has no checkpoint to resume from.")
+    client.update_run(run.info.run_id, status="RUNNING")
+    if ERROR_TAG in run.data.tags:  # the failure that stopped it is in the past now
+        client.delete_tag(run.info.run_id, ERROR_TAG)
+    return run.info.run_id, run.data.tags[STORAGE_TAG]
+
+
 def log_config(client: MlflowClient, run_id: str, cfg: dict, config_yaml: str) -> None:
     """The resolved config twice: flattened as params (searchable) and whole as ``config.yaml``."""
     params = [Param(key, redact(value)) for key, value in flatten(cfg).items()]
@@ -114,6 +135,26 @@ def log_epoch(client: MlflowClient, run_id: str, metrics: dict, epoch: int) -> N
     client.log_batch(run_id, metrics=[Metric(k, float(metrics[k]), now, epoch) for k in EPOCH_METRICS])
 
 
+def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
+    """Epochs whose metrics the run already holds (a resumed run continues after them)."""
+    return {m.step for m in client.get_metric_history(run_id, EPOCH_METRICS[0])}
+
+
+def log_restore(client: MlflowClient, run_id: str, epoch: int) -> None:
+    """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
+    count = len(client.get_metric_history(run_id, RESTORES_METRIC)) + 1
+    client.log_metric(run_id, RESTORES_METRIC, count, step=epoch)
+
+
+def epoch_history(client: MlflowClient, run_id: str) -> list[dict]:
+    """Every logged epoch's metrics from the store, in epoch order (all attempts of a resumed run)."""
+    by_epoch: dict[int, dict] = {}
+    for key in EPOCH_METRICS:
+        for metric in client.get_metric_history(run_id, key):
+            by_epoch.setdefault(metric.step, {"epoch": metric.step})[key] = metric.value
+    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
 def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
     """The final weights as ``model/state_dict.pt``, loadable with ``torch.load(weights_only=True)``."""
     state = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
@@ -123,13 +164,14 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
         client.log_artifact(run_id, path, "model")
 
 
-def log_learning_curve(client: MlflowClient, run_id: str, history: list[dict]) -> None:
-    """``learning_curve.png``: train/val loss and val accuracy against epoch."""
+def log_learning_curve(client: MlflowClient, run_id: str) -> None:
+    """``learning_curve.png``: train/val loss and val accuracy against epoch, as the store holds them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    history = epoch_history(client, run_id)
     epochs = [m["epoch"] + 1 for m in history]
     fig, loss_axis = plt.subplots(figsize=(6, 4))
     loss_axis.plot(epochs, [m["train_loss"] for m in history], "o-", label="train_loss")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import tempfile
 import threading
 import time
@@ -22,7 +21,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from ray.train import CheckpointConfig, DataConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pipeline.config import PipelineError
@@ -38,17 +37,21 @@ class RunStorage:
 
     path: str
     name: str
-    filesystem: pafs.FileSystem | None  # None: the local filesystem
+    filesystem: pafs.FileSystem
     uri: str
 
 
-def run_storage(storage: dict, run_dir: str, run_id: str) -> RunStorage:
-    """``storage.path`` null keeps checkpoints in the job's output directory (``<run_dir>/train``);
-    a shared path or ``s3://`` URI holds each run under its MLflow run id, so runs never collide."""
-    if storage["path"] is None:
-        return RunStorage(run_dir, "train", None, os.path.join(run_dir, "train"))
-    fs, path = locate(storage["path"], storage["s3"], "storage.path")
-    return RunStorage(path, run_id, fs, f"{storage['path'].rstrip('/')}/{run_id}")
+def run_storage(storage: dict, run_dir: str, run_id: str, resume_from: str | None = None) -> RunStorage:
+    """Each run's checkpoints live under its MLflow run id, in ``storage.path`` (a shared path or
+    ``s3://`` URI) or else the job's output directory (``<run_dir>/checkpoints``). Ray Train restores
+    from whatever it finds there, so a fresh run, with a fresh id, never resumes by accident; a
+    resumed run passes the place its first attempt recorded (``resume_from``)."""
+    if resume_from is not None:
+        parent, name = resume_from.rsplit("/", 1)
+    else:
+        parent, name = (storage["path"] or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
+    fs, path = locate(parent, storage["s3"], "storage.path")
+    return RunStorage(path, name, fs, f"{parent if is_s3(parent) else path}/{name}")
 
 
 def check_storage(uri: str, s3: dict) -> None:
@@ -210,9 +213,13 @@ def train_loop_per_worker(config: dict) -> None:
             state = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
         replica.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
         start_epoch = state["epoch"] + 1
+        if rank == 0:  # the driver records every restore (a restarted worker group or a resumed run)
+            progress_queue.put(("restored", {"epoch": start_epoch}))
 
     def progress(event: dict) -> None:
         progress_queue.put(("progress", event))
@@ -230,7 +237,8 @@ def train_loop_per_worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             saved = None
             if rank == 0:
-                state = {"model": replica.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}
+                state = {"model": replica.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                         "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
                 if scheduler is not None:
                     state["scheduler"] = scheduler.state_dict()
                 torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
@@ -249,17 +257,29 @@ class _ReportRelay(ray.train.UserCallback):
 
 
 def fit(trainer: TorchTrainer) -> ray.train.Result:
-    """``trainer.fit()``, then the SIGINT handler it replaced is put back.
+    """``trainer.fit()`` in a helper thread, waited on from this one.
 
-    Ray Train installs a handler that holds the run's controller actor; left in place, that actor and
-    its dataset split coordinators outlive the run, and a sweep would pile them up job after job.
+    On the main thread Ray Train installs its own SIGINT handler, which turns Ctrl-C into exit status 0
+    and keeps the run's controller actor (and its dataset split coordinators) alive after the run, so
+    a sweep piles them up. Off the main thread it installs none: Ctrl-C and SIGTERM reach the pipeline
+    as KeyboardInterrupt / SystemExit, the run is recorded as KILLED, and leaving the process takes
+    the run's actors with it.
     """
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        return trainer.fit()
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # re-raised on the calling thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # a bounded wait lets signals through
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, events: Any) -> TorchTrainer:
@@ -281,7 +301,12 @@ def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, ev
             name=storage.name,
             storage_path=storage.path,
             storage_filesystem=storage.filesystem,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg["train"]["num_to_keep"]),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg["train"]["num_to_keep"],
+                checkpoint_score_attribute=cfg["train"]["checkpoint_metric"],
+                checkpoint_score_order=cfg["train"]["checkpoint_mode"],
+            ),
+            failure_config=FailureConfig(max_failures=cfg["train"]["max_failures"]),
             callbacks=[_ReportRelay(events)],
         ),
     )

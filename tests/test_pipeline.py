@@ -69,7 +69,9 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     logged = torch.load(client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)),
                         weights_only=True)
 
-    checkpoints = sorted((tmp_path / "run" / "train").glob("checkpoint_*/checkpoint.pt"))
+    storage = tmp_path / "run" / "checkpoints" / run_info.info.run_id  # each run's own, by its MLflow id
+    assert run_info.data.tags["pipeline.storage"] == str(storage)
+    checkpoints = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
     assert len(checkpoints) == 2
     last = torch.load(checkpoints[-1], weights_only=True)
     assert last["epoch"] == 1 and {"model", "optimizer"} <= last.keys()

@@ -93,7 +93,7 @@ def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_th
     logged = torch.load(client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)),
                         weights_only=True)
     assert checkpoint["epoch"] == 0 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
-    assert not (tmp_path / "run" / "train").exists()  # nothing fell back to local storage
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing fell back to local storage
 
     # The secret the AWS SDK used is nowhere: console, MLflow store and artifacts, run dir, Ray's logs.
     secret = AWS_SECRET.encode()
