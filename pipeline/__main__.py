@@ -43,6 +43,8 @@ def main(cfg: DictConfig) -> float | None:
     job.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     try:
         metrics = run(OmegaConf.to_container(cfg, resolve=True), job)
+    except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
+        sys.exit(130)
     except Exception as err:
         if job.sweep_dir is None:
             if isinstance(err, PipelineError):

@@ -17,7 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")  # reported every epoch
+# Reported every epoch; *_rows count the rows that reached the training loop (all workers together).
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows")
 
 
 class PipelineError(Exception):

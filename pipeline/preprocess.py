@@ -12,8 +12,9 @@ from hydra.utils import instantiate
 from pipeline.config import active_steps
 
 
-def apply(ds, specs: dict[str, dict]):
-    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order."""
+def apply(ds, specs: dict[str, dict], columns: list[str]):
+    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order,
+    then only ``columns`` kept (the reader's ``path`` column serves error messages, not training)."""
     for spec in active_steps(specs).values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
         options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"]}
@@ -23,4 +24,4 @@ def apply(ds, specs: dict[str, dict]):
             )
         else:
             ds = ds.map_batches(fn, **options)
-    return ds
+    return ds.select_columns(columns)

@@ -86,6 +86,14 @@ def explain(err: ray.train.WorkerGroupError) -> PipelineError:
     )
 
 
+def missing_rows(metrics: dict, splits: dict, num_workers: int, drop_last: bool) -> int:
+    """Rows of the splits that never reached the training loop this epoch (a transform skipped them),
+    beyond what sharding drops by design: Ray Train's equal split drops up to N-1 rows per split, and
+    ``drop_last`` the partial training batches (then only validation is counted). A lower bound."""
+    counted = [("valid", "val_rows")] + ([] if drop_last else [("train", "train_rows")])
+    return sum(max(0, splits[name].rows - int(metrics[key]) - (num_workers - 1)) for name, key in counted)
+
+
 def preflight(cfg: dict) -> dict[str, source.Split]:
     """Config, data and storage checks that need no Ray: the checked splits, or a PipelineError."""
     validate(cfg)
@@ -105,7 +113,8 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
     datasets = {
-        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name])
+        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name],
+                               columns)
         for name, split in splits.items()
     }
     steps = train.steps_per_epoch(splits["train"].rows, cfg["scaling"]["num_workers"],
@@ -122,6 +131,11 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
             raise PipelineError(f"epoch {metrics['epoch']} was reported twice; its first metrics stand in MLflow.")
         logged.add(metrics["epoch"])
         tracking.log_epoch(client, run_id, metrics, metrics["epoch"])
+        skipped = missing_rows(metrics, splits, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
+        if skipped:
+            client.log_metric(run_id, "skipped_rows", skipped, step=metrics["epoch"])
+            log.warning("epoch %d: %d row(s) never reached training (skipped by a transform; Ray's worker "
+                        "logs name them)", metrics["epoch"] + 1, skipped)
         with open(os.path.join(job.run_dir, "metrics.jsonl"), "a") as out:
             out.write(json.dumps({"checkpoint": report["checkpoint"], "ranks": ranks}) + "\n")
         history.append(metrics)
@@ -186,6 +200,9 @@ def run(cfg: dict, job: Job) -> dict:
         history = train_and_track(cfg, job, splits, client, run_id, resume_from)
     except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, SIGTERM
         tracking.end_run(client, run_id, "KILLED", err)
+        name = client.get_run(run_id).info.run_name
+        log.warning("interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
+                    "command plus: train.resume=true tracking.run_name=%s", name, name)
         raise
     except BaseException as err:
         tracking.end_run(client, run_id, "FAILED", err)

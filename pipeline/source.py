@@ -110,11 +110,12 @@ def prepare(source: dict) -> dict[str, Split]:
 
 
 def read(split: Split, limit: int | None, columns: list[str], reader_v2: bool):
-    """A lazy Ray Dataset over the split's files (nothing is read until a worker iterates)."""
+    """A lazy Ray Dataset over the split's files (nothing is read until a worker iterates); each row
+    also carries its file in ``path``, so a transform can name the file of a bad row."""
     import ray.data
 
     ray.data.DataContext.get_current().use_datasource_v2 = reader_v2
-    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns)
+    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns, include_paths=True)
     return ds if limit is None else ds.limit(limit)
 
 

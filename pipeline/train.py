@@ -131,14 +131,15 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None):
+def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None, training: bool):
+    """The worker's shard as torch batches; validation never drops its last partial batch."""
     ingest = cfg["ingest"]
     return shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
         prefetch_batches=ingest["prefetch_batches"],
         local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"],
         local_shuffle_seed=seed,
-        drop_last=ingest["drop_last"],
+        drop_last=ingest["drop_last"] and training,
         device=device,
     )
 
@@ -165,7 +166,8 @@ def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, ep
             last_sent = time.monotonic()
     elapsed = time.perf_counter() - start
     total_loss, total_seen = _sum_over_workers([loss_sum.item(), seen], device)
-    return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed}
+    return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed,
+            "train_rows": int(total_seen)}
 
 
 @torch.no_grad()
@@ -183,7 +185,7 @@ def evaluate(model, autocast, batches, cfg) -> dict:
         correct += (logits.argmax(dim=1) == batch[labels]).sum()
         count += len(batch[labels])
     loss_sum, correct, count = _sum_over_workers([loss_sum.item(), correct.item(), count], device)
-    return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1)}
+    return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1), "val_rows": int(count)}
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -226,14 +228,15 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start_epoch, epochs):
         seed = cfg["train"]["seed"] + epoch
-        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed)
+        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed, True)
         metrics = _train_epoch(
             model, optimizer, scheduler, autocast, scaler, train_batches, cfg, epoch, device,
             progress if rank == 0 else None,
         )
-        valid_batches = _batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None)
+        valid_batches = _batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None, False)
         metrics.update(evaluate(replica, autocast, valid_batches, cfg))
-        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica))
+        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica),  # where each rank ran:
+                       pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())  # metrics.jsonl keeps it
         with tempfile.TemporaryDirectory() as tmp:
             saved = None
             if rank == 0:
@@ -286,10 +289,11 @@ def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, ev
     """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     data_cpus = cfg["scaling"]["data_cpus"]
-    execution_options = DataConfig.default_ingest_options()
-    execution_options.preserve_order = cfg["ingest"]["preserve_order"]
-    if data_cpus is not None:
-        execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
+    execution_options = None  # Ray's defaults, unless the config changes them
+    if data_cpus is not None or cfg["ingest"]["preserve_order"]:
+        execution_options = ray.data.ExecutionOptions(preserve_order=cfg["ingest"]["preserve_order"])
+        if data_cpus is not None:
+            execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "events": events, "steps_per_epoch": steps},

@@ -19,7 +19,7 @@ from conftest import compose_cfg, write_split
 from pipeline.config import PipelineError
 from pipeline.run import Job, run
 
-METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput")
+METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows")
 
 
 def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.CompletedProcess:
@@ -118,9 +118,8 @@ def leftover_actors(timeout_s: float = 30.0) -> list[str]:
         time.sleep(1)
 
 
-@pytest.mark.slow
-def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
-    root = tmp_path / "data"
+def data_with_a_bad_jpeg(root: Path) -> Path:
+    """CIFAR-like splits whose valid row 5 holds bytes that are not a JPEG."""
     write_split(root / "cifar10" / "train", 64, 1, seed=3)
     write_split(root / "cifar10" / "test", 32, 1, seed=4)
     table = pq.read_table(root / "cifar10" / "test" / "part-00000.parquet")
@@ -128,12 +127,29 @@ def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatc
     images[5] = b"\xff\xd8 this is not a JPEG"
     table = table.set_column(0, "image", pa.array(images, pa.binary()))
     pq.write_table(table, root / "cifar10" / "test" / "part-00000.parquet")
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(root))
-    with pytest.raises(PipelineError, match=r"training failed on rank\(s\) \[0, 1\]: .*not a valid JPEG"):
+    return root
+
+
+@pytest.mark.slow
+def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data")))
+    with pytest.raises(PipelineError, match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 5 of "
+                                            r".*/cifar10/test/part-00000.parquet holds bytes that are not a valid JPEG"):
         in_process(tmp_path, "broken", ["source.limit=null"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+@pytest.mark.slow
+def test_skipped_rows_are_counted_in_mlflow(tmp_path, ray_runtime, monkeypatch):
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data")))
+    metrics, _ = in_process(tmp_path, "skipping", ["source.limit=null", "scaling.num_workers=1",
+                                                   "transforms.valid.decode.fn.on_error=skip"])
+    assert metrics["val_rows"] == 31 and metrics["train_rows"] == 64
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run_info,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run_info.info.status == "FINISHED" and run_info.data.metrics["skipped_rows"] == 1
 
 
 def no_runs_logged(tmp_path: Path) -> bool:

@@ -46,6 +46,14 @@ def test_corrupt_parquet_names_the_file(tmp_path):
         check_split("valid", str(tmp_path), COLUMNS, {})
 
 
+def test_truncated_parquet_names_the_file(tmp_path):
+    write_split(tmp_path / "valid", 32, 1, seed=0)
+    path = tmp_path / "valid" / "part-00000.parquet"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(PipelineError, match=r"source.valid: .*valid/part-00000.parquet is not a readable parquet file"):
+        check_split("valid", str(tmp_path / "valid"), COLUMNS, {})
+
+
 def test_offline_download_fails_with_a_clear_message(tmp_path):
     """Port 9 on loopback refuses at once: the same path as a machine without internet."""
     download = {"_target_": "pipeline.source.download_cifar10", "url": "http://127.0.0.1:9/cifar-10-python.tar.gz"}

@@ -31,6 +31,31 @@ def test_decode_jpeg_rejects_bytes_that_are_not_jpeg():
         decode_jpeg({"image": np.array([b"not a jpeg"], dtype=object)})
 
 
+def file_with_a_bad_row(tmp_path) -> dict:
+    """A batch as the pipeline's reader yields it (with ``path``) from a file whose row 2 is not a JPEG."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    encoded = [jpeg(p.transpose(1, 2, 0)) for p in images(4)]
+    encoded[2] = b"\xff\xd8 broken"
+    path = str(tmp_path / "part-00007.parquet")
+    pq.write_table(pa.table({"image": pa.array(encoded, pa.binary()), "label": list(range(4))}), path)
+    return {"image": np.array(encoded, dtype=object), "label": np.arange(4), "path": np.array([path] * 4)}
+
+
+def test_a_bad_row_is_named_by_file_and_row(tmp_path):
+    with pytest.raises(ValueError, match=r"'image' row 2 of .*part-00007.parquet holds bytes that are not a valid "
+                                         r"JPEG.*on_error: skip"):
+        decode_jpeg(file_with_a_bad_row(tmp_path))
+
+
+def test_skipping_drops_only_the_bad_rows(tmp_path, caplog):
+    out = decode_jpeg(file_with_a_bad_row(tmp_path), on_error="skip")
+    assert out["image"].shape == (3, 3, 32, 32)
+    np.testing.assert_array_equal(out["label"], [0, 1, 3])  # every column lost the same row
+    assert "skipped 1 of 4 rows" in caplog.text and "row 2 of" in caplog.text
+
+
 def test_random_crop_without_padding_is_identity():
     batch = images()
     np.testing.assert_array_equal(random_crop({"image": batch}, padding=0)["image"], batch)
@@ -98,7 +123,7 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     assert list(cfg["transforms"]["valid"]) == ["decode", "normalize", "shift"]
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
-    out = preprocess.apply(ds, cfg["transforms"]["valid"]).take_all()
+    out = preprocess.apply(ds, cfg["transforms"]["valid"], ["image", "label"]).take_all()
     decoded = decode_jpeg({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
     expected = normalize(decoded)["image"] + 10
     np.testing.assert_allclose(np.stack([row["image"] for row in out]), expected, rtol=1e-6)
