@@ -77,8 +77,8 @@ def check_split(split: str, uri: str, columns: list[str], s3: dict) -> Split:
     rows = 0
     for file in files:
         try:
-            schema = pq.read_schema(file, filesystem=fs)
-            rows += pq.read_metadata(file, filesystem=fs).num_rows
+            footer = pq.ParquetFile(file, filesystem=fs)  # one footer read (one request on S3)
+            schema, rows = footer.schema_arrow, rows + footer.metadata.num_rows
         except (pa.ArrowInvalid, OSError) as err:
             raise PipelineError(f"source.{split}: {file} is not a readable parquet file ({err}).") from err
         missing = [c for c in columns if c not in schema.names]
@@ -96,8 +96,8 @@ def prepare(source: dict) -> dict[str, Split]:
     Row counts come back already capped by ``source.limit``.
     """
     columns = [source["feature_column"], source["label_column"]]
-    local = not any(is_s3(source[s]) for s in SPLITS)
-    if local and source["download"] is not None and not all(parquet_files(pafs.LocalFileSystem(), os.path.abspath(source[s])) for s in SPLITS):
+    downloadable = source["download"] is not None and not any(is_s3(source[s]) for s in SPLITS)
+    if downloadable and not all(parquet_files(*locate(source[s], source["s3"], f"source.{s}")) for s in SPLITS):
         from hydra.utils import instantiate
 
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours

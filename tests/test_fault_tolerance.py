@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from conftest import compose_cfg
 from pipeline.config import EPOCH_METRICS, PipelineError
 from pipeline.run import Job, run
-from test_pipeline import in_process, run_cli
+from test_pipeline import cli_env, in_process, run_cli
 
 # One worker, no random augmentation, file order: every run of this config computes the same numbers.
 DETERMINISTIC = ["source.limit=null", "ingest.batch_size=16", "scaling.num_workers=1", "transforms.train.crop=null",
@@ -63,9 +63,7 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def start_cli(args: list[str], cwd: Path, data_root: Path) -> subprocess.Popen:
-    env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(data_root),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -22,10 +22,15 @@ from pipeline.run import Job, run
 METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows")
 
 
-def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.CompletedProcess:
+def cli_env(data_root: Path | str) -> dict[str, str]:
+    """The environment a user's shell would give ``python -m pipeline``: data root set, default MLflow store."""
     env = {**os.environ, "PIPELINE_DATA_DIR": str(data_root)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(data_root),
                           capture_output=True, text=True, timeout=600)
 
 
