@@ -25,3 +25,11 @@ def apply(ds, specs: dict[str, dict], columns: list[str]):
         else:
             ds = ds.map_batches(fn, **options)
     return ds.select_columns(columns)
+
+
+def start_at_epoch(ds, epoch: int) -> None:
+    """Number ``ds``'s next pass ``epoch``. Ray Data counts a dataset's executions (one per epoch under
+    Ray Train) and seeded random transforms draw from that count, so a resumed run that continues at
+    ``epoch`` augments exactly as an uninterrupted run would. (A worker group restarted within a run
+    counts from here again: training goes on, but its augmentation then repeats earlier epochs'.)"""
+    ds.context._execution_idx = epoch

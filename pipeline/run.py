@@ -122,6 +122,7 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
     logged = tracking.logged_epochs(client, run_id)  # a resumed run already holds its first epochs
+    preprocess.start_at_epoch(datasets["train"], max(logged, default=-1) + 1)
 
     def on_report(report: dict) -> dict:
         ranks = sorted(report["ranks"], key=lambda r: r["rank"])

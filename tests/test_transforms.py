@@ -78,6 +78,47 @@ def test_random_flip_always_and_never():
     np.testing.assert_array_equal(random_flip({"image": batch}, p=0.0)["image"], batch)
 
 
+@pytest.mark.parametrize("augment", [random_crop, random_flip])
+def test_seeded_augmentation_depends_on_the_row_not_its_batch_or_order(augment):
+    batch = images(32)
+    once = augment({"image": batch}, seed=7)["image"]
+    np.testing.assert_array_equal(augment({"image": batch}, seed=7)["image"], once)
+    reordered = augment({"image": np.concatenate([batch[16:][::-1], batch[:16]])}, seed=7)["image"]
+    np.testing.assert_array_equal(np.concatenate([once[16:][::-1], once[:16]]), reordered)
+    np.testing.assert_array_equal(augment({"image": batch[5:9]}, seed=7)["image"], once[5:9])
+    assert not np.array_equal(augment({"image": batch}, seed=8)["image"], once)
+    assert sum(not np.array_equal(a, b) for a, b in zip(batch, once)) > 4  # the seed does not turn it off
+
+
+def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(ray_runtime):
+    """Through Ray Data: each pass (epoch) flips a different set of rows, a second dataset built the same
+    way flips the same sets, and one that starts its count at epoch 1 (a resumed run) repeats epoch 1."""
+    import ray.data
+
+    from pipeline.preprocess import start_at_epoch
+
+    pixels = images(64)
+
+    def flipped_rows(ds) -> list[int]:
+        out = np.concatenate([b["image"] for b in ds.iter_batches(batch_size=None)])
+        order = [next(i for i, p in enumerate(pixels) if np.array_equal(p, o) or np.array_equal(p[..., ::-1], o))
+                 for o in out]
+        return sorted(i for i, o in zip(order, out) if not np.array_equal(pixels[i], o))
+
+    def dataset():
+        return ray.data.from_items([{"image": p} for p in pixels], override_num_blocks=4).map_batches(
+            random_flip, fn_kwargs={"seed": 3}, batch_format="numpy", batch_size=16)
+
+    first = dataset()
+    epochs = [flipped_rows(first) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = dataset()
+    assert [flipped_rows(again) for _ in range(2)] == epochs[:2]
+    resumed = dataset()
+    start_at_epoch(resumed, 1)
+    assert flipped_rows(resumed) == epochs[1]
+
+
 def test_normalize_maps_pixels_to_minus_one_one():
     batch = np.array([[[[0, 255]]] * 3], dtype=np.uint8)  # (1, 3, 1, 2)
     out = normalize({"image": batch})["image"]

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from ray.data import DataContext
 from torchvision.io import ImageReadMode, decode_jpeg as _decode_jpeg
 
 Batch = dict[str, np.ndarray]
@@ -58,22 +60,53 @@ def decode_jpeg(batch: Batch, column: str = "image", on_error: str = "raise", pa
     return {**batch, column: pixels}
 
 
-def random_crop(batch: Batch, column: str = "image", size: int = 32, padding: int = 4) -> Batch:
-    """Zero-pad each (N, C, H, W) image by ``padding`` and cut a random ``size`` x ``size`` window."""
+def _execution_index() -> int:
+    """Which pass over the dataset this is: Ray Data counts each execution of a dataset (one per
+    epoch under Ray Train) in its context, the counter it uses itself to reseed shuffles per epoch."""
+    return DataContext.get_current()._execution_idx
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over a uint64 array: a cheap, well-spread hash (arithmetic wraps mod 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def row_uniform(images: np.ndarray, seed: int | None, salt: int, draws: int) -> np.ndarray:
+    """``draws`` uniform numbers in [0, 1) per image, shape (N, draws).
+
+    Unseeded, they are fresh each call. Seeded, each row's numbers depend only on (seed, epoch, the
+    row's pixels, salt), so which task, batch or worker handles a row, and in what order, does not
+    change its augmentation, while each epoch still gets a new one. ``salt`` keeps steps independent.
+    """
+    if seed is None:
+        return np.random.default_rng().random((len(images), draws))
+    keys = np.fromiter((zlib.crc32(image.tobytes()) for image in images), dtype=np.uint64, count=len(images))
+    base = np.random.SeedSequence([seed, _execution_index(), salt]).generate_state(1, np.uint64)[0]
+    counters = (keys[:, None] << np.uint64(32)) + np.arange(draws, dtype=np.uint64)[None, :]
+    return (_mix(counters ^ base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def random_crop(batch: Batch, column: str = "image", size: int = 32, padding: int = 4, seed: int | None = None) -> Batch:
+    """Zero-pad each (N, C, H, W) image by ``padding`` and cut a random ``size`` x ``size`` window
+    (reproducible per row and epoch with ``seed``; see :func:`row_uniform`)."""
     images = batch[column]
     padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     max_offset = padded.shape[-1] - size
-    offsets = np.random.default_rng().integers(0, max_offset + 1, size=(len(images), 2))
+    offsets = (row_uniform(images, seed, salt=1, draws=2) * (max_offset + 1)).astype(np.int64)
     out = np.empty((*images.shape[:2], size, size), dtype=images.dtype)
     for i, (top, left) in enumerate(offsets):
         out[i] = padded[i, :, top : top + size, left : left + size]
     return {**batch, column: out}
 
 
-def random_flip(batch: Batch, column: str = "image", p: float = 0.5) -> Batch:
-    """Mirror each (N, C, H, W) image left-right with probability ``p``."""
+def random_flip(batch: Batch, column: str = "image", p: float = 0.5, seed: int | None = None) -> Batch:
+    """Mirror each (N, C, H, W) image left-right with probability ``p`` (reproducible per row and
+    epoch with ``seed``; see :func:`row_uniform`)."""
     images = batch[column].copy()
-    flip = np.random.default_rng().random(len(images)) < p
+    flip = row_uniform(images, seed, salt=2, draws=1)[:, 0] < p
     images[flip] = images[flip][..., ::-1]
     return {**batch, column: images}
 
