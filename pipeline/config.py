@@ -10,15 +10,20 @@ import dataclasses
 import importlib
 import inspect
 import typing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
-# Reported every epoch; *_rows count the rows that reached the training loop (all workers together).
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows")
+
+# Reported every epoch; *_rows count the rows that reached the training loop (all workers together);
+# data_wait_fraction is the share of the training loop's time spent waiting for its next batch.
+EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows",
+                 "data_wait_fraction")
 
 
 class PipelineError(Exception):
@@ -148,6 +153,18 @@ def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
 def register() -> None:
     """Make the schema available to ``conf/config.yaml`` as its first default."""
     ConfigStore.instance().store(name="schema", node=PipelineConfig)
+
+
+def compose(overrides: list[str] = ()) -> dict:
+    """The resolved config as the entry point sees it (a plain dict), outside ``@hydra.main``:
+    for tests and benchmarks, which build a job's parts themselves."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def _import(target: str, key: str) -> Any:

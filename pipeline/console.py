@@ -27,7 +27,8 @@ def quiet_libraries() -> None:
 def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
     return (
         f"epoch {epoch + 1}/{epochs}  train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-        f"val_accuracy {metrics['val_accuracy']:.4f}  train_throughput {metrics['train_throughput']:,.0f} samples/s"
+        f"val_accuracy {metrics['val_accuracy']:.4f}  train_throughput {metrics['train_throughput']:,.0f} samples/s  "
+        f"data_wait {metrics['data_wait_fraction']:.0%}"
     )
 
 

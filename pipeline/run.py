@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -24,6 +25,7 @@ from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, validate
 
 log = logging.getLogger(__name__)
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
+IMPORTED_AT = time.time()
 
 
 @dataclass
@@ -103,6 +105,28 @@ def preflight(cfg: dict) -> dict[str, source.Split]:
     return splits
 
 
+def process_started_at() -> float:
+    """Unix time this process started, from Linux's /proc (the command's start, imports included);
+    elsewhere, when the pipeline was imported."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = float(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start, in ticks after boot
+            return time.time() - float(uptime.read().split()[0]) + ticks / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return IMPORTED_AT
+
+
+def build_datasets(cfg: dict, splits: dict[str, source.Split]) -> dict:
+    """Each split read lazily with its transforms chained on: nothing runs until a worker iterates."""
+    src = cfg["source"]
+    columns = [src["feature_column"], src["label_column"]]
+    return {
+        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name],
+                               columns)
+        for name, split in splits.items()
+    }
+
+
 def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resume_from: str | None) -> list[dict]:
     """Start Ray, build the datasets, train, and log each epoch as it is reported, exactly once."""
     start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
@@ -110,17 +134,12 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
         transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
         transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
         train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
-    src = cfg["source"]
-    columns = [src["feature_column"], src["label_column"]]
-    datasets = {
-        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name],
-                               columns)
-        for name, split in splits.items()
-    }
+    datasets = build_datasets(cfg, splits)
     steps = train.steps_per_epoch(splits["train"].rows, cfg["scaling"]["num_workers"],
                                   cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
+    started_at = process_started_at()
     logged = tracking.logged_epochs(client, run_id)  # a resumed run already holds its first epochs
     preprocess.start_at_epoch(datasets["train"], max(logged, default=-1) + 1)
 
@@ -132,6 +151,8 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
             raise PipelineError(f"epoch {metrics['epoch']} was reported twice; its first metrics stand in MLflow.")
         logged.add(metrics["epoch"])
         tracking.log_epoch(client, run_id, metrics, metrics["epoch"])
+        if not history:  # how long the command took to reach its first training step
+            client.log_metric(run_id, "startup_s", metrics["first_step_at"] - started_at, step=metrics["epoch"])
         skipped = missing_rows(metrics, splits, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
         if skipped:
             client.log_metric(run_id, "skipped_rows", skipped, step=metrics["epoch"])

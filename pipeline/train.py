@@ -11,6 +11,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,8 +132,8 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None, training: bool):
-    """The worker's shard as torch batches; validation never drops its last partial batch."""
+def batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None, training: bool):
+    """The worker's shard as torch batches (``ingest`` settings); validation never drops its last partial batch."""
     ingest = cfg["ingest"]
     return shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
@@ -144,13 +145,33 @@ def _batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int 
     )
 
 
+class WaitClock:
+    """Seconds a loop spent waiting for its next batch, against the seconds it ran: is ingest the bottleneck?"""
+
+    def __init__(self) -> None:
+        self.waited, self.started = 0.0, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def wrap(self, batches: Iterator) -> Iterator:
+        iterator = iter(batches)
+        while True:
+            before = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - before
+            if batch is None:
+                return
+            yield batch
+
+
 def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, epoch, device, progress) -> dict:
     features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
     model.train()
     # Sums stay on the device: a .item() per step would stall a GPU on every batch.
-    loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, time.monotonic()
-    start = time.perf_counter()
-    for step, batch in enumerate(batches, start=1):
+    loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, float("-inf")
+    clock, first_step_at = WaitClock(), None
+    for step, batch in enumerate(clock.wrap(batches), start=1):
         with autocast:
             loss = torch.nn.functional.cross_entropy(model(batch[features]), batch[labels])
         optimizer.zero_grad(set_to_none=True)
@@ -161,13 +182,15 @@ def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, ep
             scheduler.step()
         loss_sum += loss.detach().double() * len(batch[labels])
         seen += len(batch[labels])
+        first_step_at = first_step_at or time.time()
         if progress is not None and time.monotonic() - last_sent >= PROGRESS_INTERVAL_S:
             progress({"epoch": epoch, "step": step, "loss": loss.item()})
             last_sent = time.monotonic()
-    elapsed = time.perf_counter() - start
-    total_loss, total_seen = _sum_over_workers([loss_sum.item(), seen], device)
+    elapsed = clock.elapsed()
+    total_loss, total_seen, waited, ran = _sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
     return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed,
-            "train_rows": int(total_seen)}
+            "train_rows": int(total_seen), "data_wait_fraction": waited / max(ran, 1e-9),
+            "first_step_at": first_step_at}
 
 
 @torch.no_grad()
@@ -228,12 +251,12 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start_epoch, epochs):
         seed = cfg["train"]["seed"] + epoch
-        train_batches = _batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed, True)
+        train_batches = batches(ray.train.get_dataset_shard("train"), cfg, device, world_size, seed, True)
         metrics = _train_epoch(
             model, optimizer, scheduler, autocast, scaler, train_batches, cfg, epoch, device,
             progress if rank == 0 else None,
         )
-        valid_batches = _batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None, False)
+        valid_batches = batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None, False)
         metrics.update(evaluate(replica, autocast, valid_batches, cfg))
         metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica),  # where each rank ran:
                        pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())  # metrics.jsonl keeps it
@@ -285,22 +308,27 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     return outcome["result"]
 
 
-def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, events: Any) -> TorchTrainer:
-    """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
-    scaling_config, torch_config = trainer_settings(cfg["scaling"])
+def data_config(cfg: dict) -> DataConfig:
+    """How Ray Train executes the datasets it splits: Ray's defaults, unless the config changes them."""
     data_cpus = cfg["scaling"]["data_cpus"]
-    execution_options = None  # Ray's defaults, unless the config changes them
+    execution_options = None
     if data_cpus is not None or cfg["ingest"]["preserve_order"]:
         execution_options = ray.data.ExecutionOptions(preserve_order=cfg["ingest"]["preserve_order"])
         if data_cpus is not None:
             execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
+    return DataConfig(execution_options=execution_options)
+
+
+def build_trainer(cfg: dict, datasets: dict, storage: RunStorage, steps: int, events: Any) -> TorchTrainer:
+    """A TorchTrainer for the resolved config; ``events`` is a ray.util.queue.Queue read by the driver."""
+    scaling_config, torch_config = trainer_settings(cfg["scaling"])
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "events": events, "steps_per_epoch": steps},
         scaling_config=scaling_config,
         torch_config=torch_config,
         datasets=datasets,
-        dataset_config=DataConfig(execution_options=execution_options),
+        dataset_config=data_config(cfg),
         run_config=RunConfig(
             name=storage.name,
             storage_path=storage.path,

@@ -24,13 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from PIL import Image
 
-from pipeline.config import register
+from pipeline.config import compose, register
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register()
 
 
@@ -80,11 +77,7 @@ def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
             time.sleep(0.3)
 
 
-def compose_cfg(overrides: list[str] = ()) -> dict:
-    """The resolved config as the entry point sees it (a plain dict)."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+compose_cfg = compose  # the resolved config as the entry point sees it (a plain dict)
 
 
 @pytest.fixture(scope="session")

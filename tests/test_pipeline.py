@@ -19,7 +19,7 @@ from conftest import compose_cfg, write_split
 from pipeline.config import PipelineError
 from pipeline.run import Job, run
 
-METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows")
+METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows", "data_wait_fraction")
 
 
 def cli_env(data_root: Path | str) -> dict[str, str]:
@@ -43,8 +43,10 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
 
 @pytest.mark.slow
 def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
+    started = time.monotonic()
     result = run_cli(["+experiment=smoke", "train.epochs=2", "source.limit=null", "hydra.run.dir=run"],
                      tmp_path, data_root)
+    elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "epoch 1/2  train_loss" in output and "epoch 2/2  train_loss" in output
@@ -66,6 +68,9 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
         history = client.get_metric_history(run_info.info.run_id, metric)
         assert sorted(m.step for m in history) == [0, 1], metric
     assert 0.0 <= run_info.data.metrics["val_accuracy"] <= 1.0
+    assert 0.0 < run_info.data.metrics["data_wait_fraction"] < 1.0  # waited for some batches, not only waited
+    startup = client.get_metric_history(run_info.info.run_id, "startup_s")  # command to first training step
+    assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < elapsed
 
     artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
     assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
