@@ -8,15 +8,12 @@ Prints a table and writes outputs/bench/sweep_overhead.json (figures, machine, v
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import version
-from pathlib import Path
+
+from report import data_dir, table, write
 
 GRID = {"optim.lr": ["1e-3", "3e-4"], "train.epochs": ["1", "2"]}
 
@@ -29,8 +26,7 @@ def timed(args: list[str], cwd: str) -> float:
 
 
 def main() -> None:
-    data = os.environ.setdefault("PIPELINE_DATA_DIR", str(Path("../shared/data").resolve()))
-    os.environ["PIPELINE_DATA_DIR"] = str(Path(data).resolve())
+    data_dir()
     with tempfile.TemporaryDirectory() as workdir:
         sweep_s = timed(["-m", "+experiment=smoke", *(f"{k}={','.join(v)}" for k, v in GRID.items())], workdir)
         jobs = [[f"{k}={v}" for k, v in zip(GRID, values)] for values in itertools.product(*GRID.values())]
@@ -43,16 +39,10 @@ def main() -> None:
         "saved_per_job_s": round((sum(single_s) - sweep_s) / len(jobs), 1),
         "singles_over_sweep": round(sum(single_s) / sweep_s, 2),
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"figures": figures, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "versions": {p: version(p) for p in ("ray", "torch", "hydra-core", "mlflow")}, "commit": commit}
-    print(f"{'4-job smoke grid':<28}{'wall s':>8}")
-    print(f"{'one multirun (-m)':<28}{figures['sweep_s']:>8}")
-    print(f"{'4 separate runs':<28}{figures['singles_s']:>8}   {figures['singles_each_s']}")
+    print(table([("one multirun (-m)", figures["sweep_s"]), ("4 separate runs", figures["singles_s"])],
+                ("4-job smoke grid", "wall s")))
     print(f"saved per job: {figures['saved_per_job_s']} s; separate / multirun = {figures['singles_over_sweep']}x")
-    out = Path("outputs/bench/sweep_overhead.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write("sweep_overhead", figures)
 
 
 if __name__ == "__main__":

@@ -93,12 +93,19 @@ class ScalingConfig:
 
 
 @dataclass
+class NormalizeConfig:
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+
+
+@dataclass
 class IngestConfig:
     batch_size: int = 128  # global: each of N workers gets batch_size / N rows per step
     prefetch_batches: int = 2
     local_shuffle_buffer_size: Optional[int] = None  # rows; null: no per-worker shuffle
     drop_last: bool = False
     preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost
+    normalize: Optional[NormalizeConfig] = None  # uint8 features -> float (x/255 - mean) / std on the worker
 
 
 @dataclass
@@ -264,6 +271,9 @@ def validate(cfg: dict) -> None:
              f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.")
     _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
     _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
+    normalize = ingest["normalize"]
+    _require(normalize is None or (len(normalize["mean"]) == len(normalize["std"]) and min(normalize["std"]) > 0),
+             f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.")
     _require(
         ingest["batch_size"] % scaling["num_workers"] == 0,
         f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "

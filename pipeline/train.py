@@ -132,10 +132,21 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None, training: bool):
-    """The worker's shard as torch batches (``ingest`` settings); validation never drops its last partial batch."""
-    ingest = cfg["ingest"]
-    return shard.iter_torch_batches(
+def pixel_scaling(normalize: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
+    mean = torch.tensor(normalize["mean"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(normalize["std"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    return 1.0 / (255.0 * std), -mean / std
+
+
+def batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int | None, training: bool) -> Iterator:
+    """The worker's shard as torch batches (``ingest`` settings); validation never drops its last partial batch.
+
+    Features arrive as uint8 (a quarter of float32's bytes through Ray's object store and to a GPU)
+    and ``ingest.normalize`` turns them into floats here, on the training device.
+    """
+    ingest, feature = cfg["ingest"], cfg["source"]["feature_column"]
+    stream = shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
         prefetch_batches=ingest["prefetch_batches"],
         local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"],
@@ -143,6 +154,10 @@ def batches(shard, cfg: dict, device: torch.device, world_size: int, seed: int |
         drop_last=ingest["drop_last"] and training,
         device=device,
     )
+    if ingest["normalize"] is None:
+        return stream
+    scale, shift = pixel_scaling(ingest["normalize"], device)
+    return ({**batch, feature: batch[feature].float() * scale + shift} for batch in stream)
 
 
 class WaitClock:

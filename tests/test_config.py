@@ -37,7 +37,7 @@ def test_every_experiment_composes_and_validates(experiment):
 
 def test_cifar_vit_cpu_is_smaller_and_scheduled():
     cfg = compose_cfg(["+experiment=cifar_vit_cpu"])
-    assert list(active_steps(cfg["transforms"]["train"])) == ["decode", "flip", "normalize"]
+    assert list(active_steps(cfg["transforms"]["train"])) == ["decode", "flip"]
     assert cfg["model"]["num_layers"] == 4 and cfg["model"]["hidden_dim"] == 128
     assert cfg["scheduler"]["_target_"] == "torch.optim.lr_scheduler.OneCycleLR"
     assert cfg["scheduler"]["max_lr"] == cfg["optim"]["lr"]

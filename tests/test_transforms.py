@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from conftest import compose_cfg, jpeg
-from transforms import decode_jpeg, normalize, random_crop, random_flip
+from transforms import decode_jpeg, random_crop, random_flip
 
 
 def images(n: int = 4, seed: int = 0) -> np.ndarray:
@@ -119,13 +120,24 @@ def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(r
     assert flipped_rows(resumed) == epochs[1]
 
 
-def test_normalize_maps_pixels_to_minus_one_one():
-    batch = np.array([[[[0, 255]]] * 3], dtype=np.uint8)  # (1, 3, 1, 2)
-    out = normalize({"image": batch})["image"]
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(out[0, :, 0], [[-1.0, 1.0]] * 3)
-    out = normalize({"image": batch}, mean=(0.0, 0.5, 1.0), std=(1.0, 1.0, 2.0))["image"]
-    np.testing.assert_allclose(out[0, :, 0, 1], [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("mean, std, expected", [((0.5,) * 3, (0.5,) * 3, [[-1.0, 1.0]] * 3),
+                                                  ((0.0, 0.5, 1.0), (1.0, 1.0, 2.0), [[0, 1], [-0.5, 0.5], [-0.5, 0]])])
+def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
+    import ray.data
+
+    from pipeline.train import batches
+
+    pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
+    ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
+    cfg = compose_cfg(["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"])
+    out = list(batches(ds, cfg, torch.device("cpu"), 1, None, training=False))
+    assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
+    images = torch.cat([b["image"] for b in out])
+    assert images.dtype == torch.float32
+    torch.testing.assert_close(images[:, :, 0], torch.tensor([expected] * 5, dtype=torch.float32))
+    raw = torch.cat([b["image"] for b in batches(ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}},
+                                                 torch.device("cpu"), 1, None, training=False)])
+    assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))
 
 
 class AddConstant:
@@ -161,11 +173,11 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "shifted.yaml").write_text(SHIFTED)
     cfg = compose_cfg([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=shifted"])
-    assert list(cfg["transforms"]["valid"]) == ["decode", "normalize", "shift"]
+    assert list(cfg["transforms"]["valid"]) == ["decode", "shift"]
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
     out = preprocess.apply(ds, cfg["transforms"]["valid"], ["image", "label"]).take_all()
     decoded = decode_jpeg({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
-    expected = normalize(decoded)["image"] + 10
-    np.testing.assert_allclose(np.stack([row["image"] for row in out]), expected, rtol=1e-6)
+    expected = decoded["image"] + 10
+    np.testing.assert_array_equal(np.stack([row["image"] for row in out]), expected)
     assert [row["label"] for row in out] == list(range(6))

@@ -1,0 +1,147 @@
+"""Ingest throughput: the pipeline's own ingest path against a plain PyTorch DataLoader, side by side.
+
+Both sides read the real CIFAR-10 training parquet (50,000 JPEG rows) and decode, randomly crop and
+flip, and normalize every image, two epochs each:
+- pipeline: its source, its configured transforms (Ray Data) and its ``iter_torch_batches`` settings,
+  consumed by one Ray Train worker that runs no model;
+- DataLoader: a map-style ``Dataset`` over the same files doing the same steps per sample (the same
+  JPEG decoder, simplejpeg, then torchvision's v2 transforms), ``DataLoader(num_workers=2,
+  persistent_workers=True)``, the same batch size;
+- decode only: simplejpeg over every row in this one process, no framework: the ceiling one core sets.
+
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/ingest.py [OVERRIDES...]
+
+Extra arguments are config overrides for the pipeline side (for example ``ingest.prefetch_batches=4``).
+Prints a table and writes outputs/bench/ingest.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import simplejpeg
+import torch
+from torchvision.transforms import v2
+
+from report import data_dir, table, write
+
+EPOCHS = 2
+# One worker without a model needs little CPU: the rest of the machine decodes.
+PIPELINE = ["scaling.num_workers=1", "scaling.resources_per_worker.CPU=0.25", "ingest.batch_size=128"]
+
+
+def consume(config: dict) -> None:
+    """A Ray Train worker that takes every batch of its shard, as training would, but runs no model."""
+    import ray.train
+
+    from pipeline.train import batches
+
+    cfg, rates = config["cfg"], []
+    label = cfg["source"]["label_column"]
+    shard, device = ray.train.get_dataset_shard("train"), ray.train.torch.get_device()
+    for epoch in range(EPOCHS):
+        start, rows = time.perf_counter(), 0
+        for batch in batches(shard, cfg, device, 1, cfg["train"]["seed"] + epoch, training=True):
+            rows += len(batch[label])
+        rates.append({"rows": rows, "seconds": time.perf_counter() - start})
+    Path(config["out"]).write_text(json.dumps(rates))
+
+
+def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
+    """Per-epoch rows and seconds through the pipeline's ingest path, with the resolved config used."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipeline import source, train
+    from pipeline.config import compose
+    from pipeline.run import build_datasets, start_ray
+
+    cfg = compose([*PIPELINE, *overrides])
+    split = source.prepare(cfg["source"])["train"]
+    start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "epochs.json"
+        scaling_config, _ = train.trainer_settings(cfg["scaling"])
+        TorchTrainer(
+            consume, train_loop_config={"cfg": cfg, "out": str(out)}, scaling_config=scaling_config,
+            datasets=build_datasets(cfg, {"train": split}), dataset_config=train.data_config(cfg),
+            run_config=ray.train.RunConfig(storage_path=tmp, name="ingest"),
+        ).fit()
+        epochs = json.loads(out.read_text())
+    ray.shutdown()
+    return epochs, cfg
+
+
+class ParquetImages(torch.utils.data.Dataset):
+    """What a user would write without the pipeline: rows in memory, decoded and augmented per sample."""
+
+    def __init__(self, files: list[str], mean: list[float], std: list[float]):
+        table_ = pq.read_table(files, columns=["image", "label"])
+        self.images, self.labels = table_.column("image").to_pylist(), table_.column("label").to_pylist()
+        self.augment = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
+                                   v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image = torch.from_numpy(simplejpeg.decode_jpeg(self.images[i], colorspace="RGB")).permute(2, 0, 1)
+        return self.augment(image), self.labels[i]
+
+
+def dataloader_epochs(files: list[str], cfg: dict) -> list[dict]:
+    """Per-epoch rows and seconds; epoch 1 includes reading the files, as the pipeline's epoch 1 does."""
+    normalize, epochs = cfg["ingest"]["normalize"], []
+    start = time.perf_counter()
+    loader = torch.utils.data.DataLoader(ParquetImages(files, normalize["mean"], normalize["std"]),
+                                         batch_size=cfg["ingest"]["batch_size"], num_workers=2,
+                                         persistent_workers=True)
+    for _ in range(EPOCHS):
+        rows = 0
+        for images, _labels in loader:
+            rows += len(images)
+        epochs.append({"rows": rows, "seconds": time.perf_counter() - start})
+        start = time.perf_counter()
+    return epochs
+
+
+def decode_only(files: list[str]) -> dict:
+    """One process decoding every image: no framework, no other step."""
+    images = pq.read_table(files, columns=["image"]).column("image").to_pylist()
+    start = time.perf_counter()
+    for data in images:
+        simplejpeg.decode_jpeg(data, colorspace="RGB")
+    return {"rows": len(images), "seconds": time.perf_counter() - start}
+
+
+def main(overrides: list[str]) -> dict:
+    data_dir()
+    pipeline, cfg = pipeline_epochs(overrides)
+    files = sorted(str(p) for p in Path(cfg["source"]["train"]).glob("*.parquet"))
+    loader = dataloader_epochs(files, cfg)
+    decode = decode_only(files)
+    rate = lambda e: round(e["rows"] / e["seconds"])  # noqa: E731
+    figures = {
+        "overrides": [*PIPELINE, *overrides],
+        "pipeline_img_s": [rate(e) for e in pipeline],
+        "dataloader_img_s": [rate(e) for e in loader],
+        "decode_only_img_s": rate(decode),
+        "rows": [e["rows"] for e in pipeline],
+    }
+    figures["cold_ratio"] = round(figures["pipeline_img_s"][0] / figures["dataloader_img_s"][0], 2)
+    figures["warm_ratio"] = round(figures["pipeline_img_s"][1] / figures["dataloader_img_s"][1], 2)
+    print(table([("pipeline (Ray Data + Ray Train worker)", *figures["pipeline_img_s"]),
+                 ("DataLoader(num_workers=2)", *figures["dataloader_img_s"]),
+                 ("pipeline / DataLoader", f"{figures['cold_ratio']}x", f"{figures['warm_ratio']}x"),
+                 ("decode only, one process", figures["decode_only_img_s"], "")],
+                ("images/s", "epoch 1 (cold)", "epoch 2 (warm)")))
+    write("ingest", figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
