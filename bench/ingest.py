@@ -4,9 +4,10 @@ Both sides read the real CIFAR-10 training parquet (50,000 JPEG rows) and decode
 flip, and normalize every image, two epochs each:
 - pipeline: its source, its configured transforms (Ray Data) and its ``iter_torch_batches`` settings,
   consumed by one Ray Train worker that runs no model;
-- DataLoader: a map-style ``Dataset`` over the same files doing the same steps per sample (the same
-  JPEG decoder, simplejpeg, then torchvision's v2 transforms), ``DataLoader(num_workers=2,
-  persistent_workers=True)``, the same batch size;
+- DataLoader: what a user writes without the pipeline (``bench/plain.py``): a map-style ``Dataset``
+  over the same files doing the same steps per sample (the same JPEG decoder, simplejpeg, then
+  torchvision's v2 transforms), ``DataLoader(num_workers=2, persistent_workers=True)``, the same
+  batch size;
 - decode only: simplejpeg over every row in this one process, no framework: the ceiling one core sets.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/ingest.py [OVERRIDES...]
@@ -24,9 +25,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import simplejpeg
-import torch
-from torchvision.transforms import v2
 
+import plain
 from report import data_dir, table, write
 
 EPOCHS = 2
@@ -36,7 +36,7 @@ PIPELINE = ["scaling.num_workers=1", "scaling.resources_per_worker.CPU=0.25", "i
 
 def consume(config: dict) -> None:
     """A Ray Train worker that takes every batch of its shard, as training would, but runs no model."""
-    import ray.train
+    import ray.train.torch
 
     from pipeline.train import batches
 
@@ -76,33 +76,13 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     return epochs, cfg
 
 
-class ParquetImages(torch.utils.data.Dataset):
-    """What a user would write without the pipeline: rows in memory, decoded and augmented per sample."""
-
-    def __init__(self, files: list[str], mean: list[float], std: list[float]):
-        table_ = pq.read_table(files, columns=["image", "label"])
-        self.images, self.labels = table_.column("image").to_pylist(), table_.column("label").to_pylist()
-        self.augment = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
-                                   v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(simplejpeg.decode_jpeg(self.images[i], colorspace="RGB")).permute(2, 0, 1)
-        return self.augment(image), self.labels[i]
-
-
-def dataloader_epochs(files: list[str], cfg: dict) -> list[dict]:
+def dataloader_epochs(cfg: dict) -> list[dict]:
     """Per-epoch rows and seconds; epoch 1 includes reading the files, as the pipeline's epoch 1 does."""
-    normalize, epochs = cfg["ingest"]["normalize"], []
-    start = time.perf_counter()
-    loader = torch.utils.data.DataLoader(ParquetImages(files, normalize["mean"], normalize["std"]),
-                                         batch_size=cfg["ingest"]["batch_size"], num_workers=2,
-                                         persistent_workers=True)
+    start, epochs = time.perf_counter(), []
+    batches = plain.loader(cfg, "train", training=True)
     for _ in range(EPOCHS):
         rows = 0
-        for images, _labels in loader:
+        for images, _labels in batches:
             rows += len(images)
         epochs.append({"rows": rows, "seconds": time.perf_counter() - start})
         start = time.perf_counter()
@@ -122,7 +102,7 @@ def main(overrides: list[str]) -> dict:
     data_dir()
     pipeline, cfg = pipeline_epochs(overrides)
     files = sorted(str(p) for p in Path(cfg["source"]["train"]).glob("*.parquet"))
-    loader = dataloader_epochs(files, cfg)
+    loader = dataloader_epochs(cfg)
     decode = decode_only(files)
     rate = lambda e: round(e["rows"] / e["seconds"])  # noqa: E731
     figures = {
