@@ -58,11 +58,12 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
 
     from pipeline import source, train
     from pipeline.config import compose
-    from pipeline.run import build_datasets, start_ray
+    from pipeline.cluster import connect
+    from pipeline.run import build_datasets
 
     cfg = compose([*PIPELINE, *overrides])
     split = source.prepare(cfg["source"])["train"]
-    start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
+    connect(cfg["ray"])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "epochs.json"
         scaling_config, _ = train.trainer_settings(cfg["scaling"])

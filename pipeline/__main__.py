@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import hydra
@@ -14,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import predict
 from pipeline.config import PipelineError, register
 from pipeline.run import Job, run
 
@@ -30,7 +32,6 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
     return Job(
         run_dir=hydra_cfg.runtime.output_dir,
         experiment=experiment,
-        config_yaml="",
         overrides=overrides,
         sweep_dir=os.path.abspath(hydra_cfg.sweep.dir) if sweeping else None,
         run_name=f"job {hydra_cfg.job.num}: {shown}".strip() if sweeping else None,
@@ -40,9 +41,10 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     job = describe_job(HydraConfig.get())
-    job.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # recorded as KILLED, like Ctrl-C
+    stage = predict.run if cfg.stage == "predict" else run
     try:
-        metrics = run(OmegaConf.to_container(cfg, resolve=True), job)
+        metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:
@@ -54,7 +56,7 @@ def main(cfg: DictConfig) -> float | None:
         # A sweep goes on: the job is a FAILED child run; None tells Optuna the trial failed.
         (log.error if isinstance(err, PipelineError) else log.exception)("job failed: %s", err)
         return None
-    return metrics[cfg.optimized_metric]
+    return metrics.get(cfg.optimized_metric)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ class TransformSpec:
     fn: Any = MISSING  # _target_ node: a function (run as Ray tasks) or a class (run as an actor pool)
     num_cpus: float = 1.0  # CPUs per preprocessing task/actor, separate from the training workers
     batch_size: int = 1000
-    concurrency: Optional[int] = None  # actor pool size for class transforms; null: Ray's default
+    concurrency: Optional[int] = None  # tasks at once (functions) or actor pool size (classes); null: Ray's
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
+    label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
 
 
 @dataclass
@@ -88,6 +90,7 @@ class ScalingConfig:
     num_workers: int = 2
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
+    label_selector: dict[str, str] = field(default_factory=dict)  # node labels training workers need
     data_cpus: Optional[float] = None  # CPU budget for Ray Data preprocessing; null: what training leaves
     torch_threads: Optional[int] = None  # intra-op threads per worker; null: Ray's default
 
@@ -118,8 +121,24 @@ class TrackingConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # null: start a local runtime; "auto" or ray://host:port: join a cluster
+    address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"  # null: a local runtime; auto, HOST:PORT, ray://...
     num_cpus: Optional[int] = None  # logical CPUs of a local runtime; null: the machine's cores
+    py_modules: list[str] = field(default_factory=lambda: ["pipeline", "transforms"])  # shipped to a cluster
+    runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray's runtime_env for the job (pip, env_vars...)
+
+
+@dataclass
+class PredictConfig:
+    run: Optional[str] = None  # MLflow run (name or id) whose model predicts; null: the newest finished one
+    checkpoint: Optional[str] = None  # a checkpoint.pt (or its directory) instead of the run's logged model
+    source: str = "${source.valid}"  # parquet to predict over: a directory, file, glob or s3:// URI
+    output: Optional[str] = None  # predictions directory, local or s3://; null: <run dir>/predictions
+    batch_size: int = 1024
+    concurrency: int = 1  # model replicas (actors), each loading the model once
+    num_cpus: float = 1.0
+    num_gpus: Optional[float] = None  # per replica; null: 1 when scaling.use_gpu, else 0
+    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,6 +168,8 @@ class PipelineConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    stage: str = "train"  # train, or predict with a trained run's model (the predict section)
+    predict: PredictConfig = field(default_factory=PredictConfig)
     optimized_metric: str = "val_accuracy"  # what the entry point returns to a sweeper (Optuna)
 
 
@@ -252,6 +273,8 @@ def validate(cfg: dict) -> None:
             check_target(spec["fn"], f"transforms.{split}.{name}.fn", runtime_args=("batch",), class_runtime_args=())
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
             _require(spec["batch_size"] > 0, f"transforms.{split}.{name}.batch_size must be > 0.")
+            _require(spec["concurrency"] is None or spec["concurrency"] >= 1,
+                     f"transforms.{split}.{name}.concurrency must be >= 1 or null.")
     if cfg["source"]["download"] is not None:
         check_target(cfg["source"]["download"], "source.download", runtime_args=("root",))
 
@@ -284,3 +307,7 @@ def validate(cfg: dict) -> None:
         _require(s3["connect_timeout_s"] > 0 and s3["request_timeout_s"] > 0, f"{key}: timeouts must be > 0.")
     limit = cfg["source"]["limit"]
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
+    _require(cfg["stage"] in ("train", "predict"), f"stage must be train or predict, got {cfg['stage']!r}.")
+    predict = cfg["predict"]
+    _require(predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
+             "predict.batch_size and predict.concurrency must be >= 1.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,7 @@ def quiet_libraries() -> None:
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:

@@ -7,24 +7,49 @@ from __future__ import annotations
 
 import functools
 
+import ray.data
 from hydra.utils import instantiate
 
+from pipeline import source
 from pipeline.config import active_steps
 
 
 def apply(ds, specs: dict[str, dict], columns: list[str]):
     """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order,
-    then only ``columns`` kept (the reader's ``path`` column serves error messages, not training)."""
+    then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
+    where the last step ran."""
+    last: dict = {}
     for spec in active_steps(specs).values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
-        options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"]}
+        options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"],
+                   **placement(spec)}
         if isinstance(fn, functools.partial) and isinstance(fn.func, type):
-            ds = ds.map_batches(
-                fn.func, fn_constructor_kwargs=fn.keywords, concurrency=spec["concurrency"] or 1, **options
-            )
+            pool = ray.data.ActorPoolStrategy(size=spec["concurrency"] or 1)
+            ds = ds.map_batches(fn.func, fn_constructor_kwargs=fn.keywords, compute=pool, **options)
         else:
-            ds = ds.map_batches(fn, **options)
-    return ds.select_columns(columns)
+            ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec["concurrency"]), **options)
+        last = placement(spec)
+    return ds.select_columns(columns, **last)
+
+
+def dataset(split: source.Split, steps: dict[str, dict], columns: list[str], source_cfg: dict):
+    """``split`` read lazily (``source.limit``, ``source.reader_v2``) with ``steps`` chained on."""
+    read = source.read(split, source_cfg["limit"], columns, source_cfg["reader_v2"], read_placement(steps))
+    return apply(read, steps, columns)
+
+
+def placement(spec: dict) -> dict:
+    """Ray's options for where a step's tasks or actors may run: the custom resources and node labels
+    it asks for (none: any node with a free CPU)."""
+    return {key: spec[key] for key in ("resources", "label_selector") if spec[key]}
+
+
+def read_placement(specs: dict[str, dict]) -> dict:
+    """Reading runs where the split's first step does, so a cluster's reads stay on its preprocessing
+    nodes and Ray Data can fuse the read with that step into one task (select_columns, likewise,
+    runs where the last step does)."""
+    steps = list(active_steps(specs).values())
+    return placement(steps[0]) if steps else {}
 
 
 def start_at_epoch(ds, epoch: int) -> None:

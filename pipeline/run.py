@@ -1,7 +1,7 @@
 """One job, start to end: config -> source -> transforms -> train -> tracking.
 
-Every check that can fail on the user's input runs before Ray starts. A single run that fails
-them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep
+Every check that can fail on the user's input runs before the job's MLflow run is created (those
+that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep
 shows every job it tried.
 """
 from __future__ import annotations
@@ -11,16 +11,13 @@ import json
 import logging
 import os
 import re
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.util.queue import Queue
 
-from pipeline import console, preprocess, source, tracking, train
+from pipeline import cluster, console, preprocess, source, tracking, train
 from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, validate
 
 log = logging.getLogger(__name__)
@@ -34,30 +31,9 @@ class Job:
 
     run_dir: str
     experiment: str
-    config_yaml: str
     overrides: list[str] = field(default_factory=list)
     sweep_dir: str | None = None  # set for the jobs of a Hydra multirun
     run_name: str | None = None
-
-
-def start_ray(address: str | None, num_cpus: int | None) -> None:
-    """Join ``address`` or start a local runtime, once per process (a sweep's jobs share it).
-
-    Worker and Ray Data logs stay in Ray's session log files instead of the console.
-    """
-    if ray.is_initialized():
-        return
-    if address is None:  # nothing preempts a local runtime; the watcher costs a process start (~5 s)
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    ray.init(
-        address=address,
-        num_cpus=num_cpus if address is None else None,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-        include_dashboard=False,
-    )
-    resources = ray.cluster_resources()
-    log.info("Ray runtime up (%s): %g CPU, %g GPU", address or "local", resources.get("CPU", 0), resources.get("GPU", 0))
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:
@@ -97,12 +73,23 @@ def missing_rows(metrics: dict, splits: dict, num_workers: int, drop_last: bool)
 
 
 def preflight(cfg: dict) -> dict[str, source.Split]:
-    """Config, data and storage checks that need no Ray: the checked splits, or a PipelineError."""
+    """Config, data and storage checks, then Ray started or joined and the checks that need it: the
+    job fits a local runtime; every node of a cluster reaches the storage and data. The checked
+    splits, or a PipelineError before anything is recorded."""
     validate(cfg)
     splits = source.prepare(cfg["source"])
-    if cfg["storage"]["path"] is not None:
-        train.check_storage(cfg["storage"]["path"], cfg["storage"]["s3"])
+    storage = cfg["storage"]["path"]
+    if storage is not None:
+        train.check_storage(storage, cfg["storage"]["s3"])
+    cluster.connect(cfg["ray"])
+    if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
+        transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
+        transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
+        train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
+    shared = {f"source.{name}": split.files[0] for name, split in splits.items() if split.local}
+    cluster.check_shared(cfg["ray"]["address"], {**shared, "storage.path": storage})
     return splits
+
 
 
 def process_started_at() -> float:
@@ -120,20 +107,11 @@ def build_datasets(cfg: dict, splits: dict[str, source.Split]) -> dict:
     """Each split read lazily with its transforms chained on: nothing runs until a worker iterates."""
     src = cfg["source"]
     columns = [src["feature_column"], src["label_column"]]
-    return {
-        name: preprocess.apply(source.read(split, src["limit"], columns, src["reader_v2"]), cfg["transforms"][name],
-                               columns)
-        for name, split in splits.items()
-    }
+    return {name: preprocess.dataset(split, cfg["transforms"][name], columns, src) for name, split in splits.items()}
 
 
 def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resume_from: str | None) -> list[dict]:
-    """Start Ray, build the datasets, train, and log each epoch as it is reported, exactly once."""
-    start_ray(cfg["ray"]["address"], cfg["ray"]["num_cpus"])
-    if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
-        transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
-        transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
-        train.check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
+    """Build the datasets, train, and log each epoch as it is reported, exactly once."""
     datasets = build_datasets(cfg, splits)
     steps = train.steps_per_epoch(splits["train"].rows, cfg["scaling"]["num_workers"],
                                   cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
@@ -203,11 +181,9 @@ def run(cfg: dict, job: Job) -> dict:
         parent = tracking.sweep_parent(client, experiment_id, job.sweep_dir) if job.sweep_dir else None
         run_id = tracking.start_run(client, experiment_id, cfg["tracking"]["run_name"] or job.run_name, parent,
                                     job.overrides, CODE_DIR)
-        tracking.log_config(client, run_id, cfg, job.config_yaml)
+        tracking.log_config(client, run_id, cfg)
         return client, uri, run_id, None
 
-    if threading.current_thread() is threading.main_thread():  # SIGTERM ends the run as KILLED, like Ctrl-C
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         splits = preflight(cfg)
     except PipelineError as err:
@@ -219,17 +195,13 @@ def run(cfg: dict, job: Job) -> dict:
     client, uri, run_id, resume_from = open_run()
     log.info("MLflow run %s in %s; outputs in %s", run_id, tracking.redact(uri), job.run_dir)
     try:
-        history = train_and_track(cfg, job, splits, client, run_id, resume_from)
-    except (KeyboardInterrupt, SystemExit) as err:  # Ctrl-C, SIGTERM
-        tracking.end_run(client, run_id, "KILLED", err)
+        with tracking.recorded(client, run_id):
+            history = train_and_track(cfg, job, splits, client, run_id, resume_from)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM
         name = client.get_run(run_id).info.run_name
         log.warning("interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
                     "command plus: train.resume=true tracking.run_name=%s", name, name)
         raise
-    except BaseException as err:
-        tracking.end_run(client, run_id, "FAILED", err)
-        raise
-    tracking.end_run(client, run_id, "FINISHED")
     log.info("finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
              history[-1]["val_accuracy"], tracking.redact(uri))
     return {k: history[-1][k] for k in EPOCH_METRICS}

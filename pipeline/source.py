@@ -32,6 +32,11 @@ class Split:
     files: list[str]
     rows: int
     filesystem: pafs.FileSystem
+    columns: list[str]  # the first file's
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.filesystem, pafs.LocalFileSystem)
 
 
 def parquet_files(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -48,46 +53,47 @@ def parquet_files(fs: pafs.FileSystem, path: str) -> list[str]:
     return sorted(f.path for f in found if f.type == pafs.FileType.File and f.path.endswith(".parquet"))
 
 
-def _missing(split: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineError:
+def _missing(key: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineError:
     if is_s3(uri):
         bucket = path.split("/", 1)[0]
         if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-            return PipelineError(f"source.{split}: the bucket {bucket!r} of {uri} does not exist (or is not "
+            return PipelineError(f"{key}: the bucket {bucket!r} of {uri} does not exist (or is not "
                                  "visible with these credentials). Check the bucket name and source.s3.endpoint_url.")
-        return PipelineError(f"source.{split}: no parquet files under {uri}. Check the prefix (source.root / "
-                             f"source.{split}); files must end in .parquet.")
+        return PipelineError(f"{key}: no parquet files under {uri}. Check the prefix (source.root / "
+                             f"{key}); files must end in .parquet.")
     return PipelineError(
-        f"source.{split}: no parquet files at {uri!r} (resolved to {path!r}). "
+        f"{key}: no parquet files at {uri!r} (resolved to {path!r}). "
         "Set PIPELINE_DATA_DIR to the directory that holds the data (for CIFAR-10 it must contain "
-        f"cifar10/train and cifar10/test), or set source.root / source.{split} to a directory, file, glob or s3:// URI."
+        f"cifar10/train and cifar10/test), or set source.root / {key} to a directory, file, glob or s3:// URI."
     )
 
 
-def check_split(split: str, uri: str, columns: list[str], s3: dict) -> Split:
-    """Find the split's files and count its rows from their footers, or fail naming the path, file or column."""
-    fs, path = locate(uri, s3, f"source.{split}")
+def check_split(key: str, uri: str, columns: list[str], s3: dict) -> Split:
+    """Find the files ``uri`` names and count their rows from the footers, or fail naming the config key
+    (``source.train``), the path, file or column."""
+    fs, path = locate(uri, s3, key)
     try:
         files = parquet_files(fs, path)
         if not files:
-            raise _missing(split, uri, fs, path)
+            raise _missing(key, uri, fs, path)
     except OSError as err:
         if is_s3(uri):
-            raise s3_error(f"source.{split}", uri, err) from err
-        raise PipelineError(f"source.{split}: cannot list {path} ({err}).") from err
+            raise s3_error(key, uri, err) from err
+        raise PipelineError(f"{key}: cannot list {path} ({err}).") from err
     rows = 0
     for file in files:
         try:
             footer = pq.ParquetFile(file, filesystem=fs)  # one footer read (one request on S3)
             schema, rows = footer.schema_arrow, rows + footer.metadata.num_rows
         except (pa.ArrowInvalid, OSError) as err:
-            raise PipelineError(f"source.{split}: {file} is not a readable parquet file ({err}).") from err
+            raise PipelineError(f"{key}: {file} is not a readable parquet file ({err}).") from err
         missing = [c for c in columns if c not in schema.names]
         if missing:
             raise PipelineError(
-                f"source.{split}: {file} has no column {', '.join(map(repr, missing))} "
+                f"{key}: {file} has no column {', '.join(map(repr, missing))} "
                 f"(it has {', '.join(schema.names)}). Set source.feature_column / source.label_column."
             )
-    return Split(files, rows, fs)
+    return Split(files, rows, fs, schema.names)
 
 
 def prepare(source: dict) -> dict[str, Split]:
@@ -102,20 +108,22 @@ def prepare(source: dict) -> dict[str, Split]:
 
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
-    checked = {split: check_split(split, source[split], columns, source["s3"]) for split in SPLITS}
+    checked = {split: check_split(f"source.{split}", source[split], columns, source["s3"]) for split in SPLITS}
     limit = source["limit"]
     for split in checked.values():
         split.rows = split.rows if limit is None else min(split.rows, limit)
     return checked
 
 
-def read(split: Split, limit: int | None, columns: list[str], reader_v2: bool):
+def read(split: Split, limit: int | None, columns: list[str], reader_v2: bool, placement: dict | None = None):
     """A lazy Ray Dataset over the split's files (nothing is read until a worker iterates); each row
-    also carries its file in ``path``, so a transform can name the file of a bad row."""
+    also carries its file in ``path``, so a transform can name the file of a bad row. ``placement``:
+    Ray options (custom resources, node labels) for the read tasks."""
     import ray.data
 
     ray.data.DataContext.get_current().use_datasource_v2 = reader_v2
-    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns, include_paths=True)
+    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns, include_paths=True,
+                               **(placement or {}))
     return ds if limit is None else ds.limit(limit)
 
 

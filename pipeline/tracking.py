@@ -10,9 +10,12 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
@@ -121,18 +124,40 @@ def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[st
     return run.info.run_id, run.data.tags[STORAGE_TAG]
 
 
-def log_config(client: MlflowClient, run_id: str, cfg: dict, config_yaml: str) -> None:
-    """The resolved config twice: flattened as params (searchable) and whole as ``config.yaml``."""
+def without_secrets(cfg: dict) -> dict:
+    """``cfg`` with the values of ``ray.runtime_env.env_vars`` (where credentials for the cluster's
+    workers go) replaced by ``***``."""
+    env_vars = cfg["ray"]["runtime_env"].get("env_vars") or {}
+    runtime_env = {**cfg["ray"]["runtime_env"], **({"env_vars": {k: "***" for k in env_vars}} if env_vars else {})}
+    return {**cfg, "ray": {**cfg["ray"], "runtime_env": runtime_env}}
+
+
+def log_config(client: MlflowClient, run_id: str, cfg: dict) -> None:
+    """The resolved config, secrets removed, twice: flattened as params (searchable) and whole as
+    ``config.yaml`` (what :func:`logged_config` reads back)."""
+    cfg = without_secrets(cfg)
     params = [Param(key, redact(value)) for key, value in flatten(cfg).items()]
     for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[start : start + MAX_PARAMS_PER_BATCH])
-    client.log_text(run_id, redact(config_yaml), "config.yaml")
+    client.log_text(run_id, redact(yaml.safe_dump(cfg, sort_keys=False)), "config.yaml")
+
+
+def logged_config(client: MlflowClient, run_id: str) -> dict:
+    """The config a run logged (``config.yaml``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(client.download_artifacts(run_id, "config.yaml", tmp)) as file:
+            return yaml.safe_load(file)
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> None:
+    """``metrics`` (name -> number) in one request, at ``step``."""
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 def log_epoch(client: MlflowClient, run_id: str, metrics: dict, epoch: int) -> None:
     """The per-epoch metrics, with step = epoch."""
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(metrics[k]), now, epoch) for k in EPOCH_METRICS])
+    log_metrics(client, run_id, {k: metrics[k] for k in EPOCH_METRICS}, epoch)
 
 
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
@@ -187,6 +212,21 @@ def log_learning_curve(client: MlflowClient, run_id: str) -> None:
     fig.tight_layout()
     client.log_figure(run_id, fig, "learning_curve.png")
     plt.close(fig)
+
+
+@contextmanager
+def recorded(client: MlflowClient, run_id: str) -> Iterator[None]:
+    """End the run when the block does: FINISHED, KILLED on Ctrl-C or SIGTERM (SystemExit), FAILED on
+    any other error (its message kept as a tag)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as err:
+        end_run(client, run_id, "KILLED", err)
+        raise
+    except BaseException as err:
+        end_run(client, run_id, "FAILED", err)
+        raise
+    end_run(client, run_id, "FINISHED")
 
 
 def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:

@@ -67,11 +67,13 @@ def check_storage(uri: str, s3: dict) -> None:
 
 
 def trainer_settings(scaling: dict) -> tuple[ScalingConfig, TorchConfig]:
-    """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers."""
+    """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers; workers go
+    only to nodes with their resources (custom ones included) and ``label_selector`` labels."""
     scaling_config = ScalingConfig(
         num_workers=scaling["num_workers"],
         use_gpu=scaling["use_gpu"],
         resources_per_worker=dict(scaling["resources_per_worker"]),
+        label_selector=dict(scaling["label_selector"]) or None,
     )
     return scaling_config, TorchConfig(backend="nccl" if scaling["use_gpu"] else "gloo")
 
@@ -273,8 +275,9 @@ def train_loop_per_worker(config: dict) -> None:
         )
         valid_batches = batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None, False)
         metrics.update(evaluate(replica, autocast, valid_batches, cfg))
-        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica),  # where each rank ran:
-                       pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())  # metrics.jsonl keeps it
+        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica),  # where each rank ran,
+                       pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),  # and which copy of the
+                       code=os.path.dirname(os.path.abspath(__file__)))  # code: metrics.jsonl keeps it
         with tempfile.TemporaryDirectory() as tmp:
             saved = None
             if rank == 0:

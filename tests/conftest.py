@@ -85,7 +85,7 @@ def ray_runtime():
     """One local Ray runtime for the in-process tests, as a sweep would share it."""
     import ray
 
-    from pipeline.run import start_ray
+    from pipeline.cluster import start_ray
 
     start_ray(address=None, num_cpus=2)
     yield

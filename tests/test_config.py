@@ -8,6 +8,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from conftest import compose_cfg
 from pipeline.config import PipelineError, active_steps, validate
+from pipeline.cluster import runtime_env
+from pipeline.predict import actor_options
+from pipeline.preprocess import placement, read_placement
 from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_settings
 
 
@@ -110,6 +113,47 @@ def test_gpu_scaling_uses_nccl_and_gpus():
     assert scaling.use_gpu is True and scaling.num_workers == 4
     assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1}
     assert torch_config.backend == "nccl"
+
+
+def test_placement_is_declared_per_pool():
+    """Training workers by resource and label; each transform step, and the reads before it, where it says."""
+    cfg = compose_cfg(["scaling=gpu", "+scaling.resources_per_worker.gpu_node=1", "+scaling.label_selector.tier=gpu",
+                       "+transforms.train.decode.resources.cpu_node=1", "+transforms.train.decode.label_selector.tier=cpu",
+                       "transforms.train.decode.concurrency=3"])
+    scaling, _ = trainer_settings(cfg["scaling"])
+    assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1, "gpu_node": 1}
+    assert scaling.label_selector == {"tier": "gpu"}
+    decode = cfg["transforms"]["train"]["decode"]
+    assert placement(decode) == {"resources": {"cpu_node": 1}, "label_selector": {"tier": "cpu"}}
+    assert read_placement(cfg["transforms"]["train"]) == placement(decode)
+    assert placement(cfg["transforms"]["train"]["crop"]) == {}  # the defaults: anywhere with a free CPU
+    assert trainer_settings(compose_cfg([])["scaling"])[0].label_selector is None
+
+
+def test_predict_replicas_take_a_gpu_each_on_gpu_runs():
+    gpu = compose_cfg(["scaling=gpu", "predict.concurrency=4", "+predict.resources.gpu_node=1"])
+    options = actor_options(gpu["predict"], gpu["scaling"]["use_gpu"])
+    assert options["num_gpus"] == 1 and options["compute"].max_size == 4 and options["resources"] == {"gpu_node": 1}
+    cpu = compose_cfg([])
+    assert actor_options(cpu["predict"], cpu["scaling"]["use_gpu"])["num_gpus"] == 0
+    half = compose_cfg(["scaling=gpu", "predict.num_gpus=0.5"])
+    assert actor_options(half["predict"], True)["num_gpus"] == 0.5
+
+
+def test_joining_a_cluster_ships_the_code_and_a_local_runtime_does_not(monkeypatch):
+    import pipeline
+    import transforms
+
+    local = compose_cfg(["+ray.runtime_env.env_vars.MY_FLAG=1"])["ray"]
+    assert local["address"] is None
+    assert runtime_env(local["address"], local["py_modules"], local["runtime_env"]) == {"env_vars": {"MY_FLAG": "1"}}
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # the standard variable picks the cluster
+    joined = compose_cfg([])["ray"]
+    assert joined["address"] == "10.0.0.5:6379"
+    env = runtime_env(joined["address"], joined["py_modules"], joined["runtime_env"])
+    assert env["py_modules"] == [pipeline, transforms]
+    with pytest.raises(PipelineError, match="ray.py_modules: cannot import 'my_transformz'"):
+        runtime_env("auto", ["my_transformz"], {})
 
 
 def test_cpu_scaling_uses_gloo_and_leaves_cpu_for_data():

@@ -174,4 +174,4 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
     cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", "train.resume=true",
                        "tracking.run_name=never-ran"])
     with pytest.raises(PipelineError, match=r"train.resume=true: no run named 'never-ran'"):
-        run(cfg, Job(str(tmp_path / "run"), "smoke", ""))
+        run(cfg, Job(str(tmp_path / "run"), "smoke"))

@@ -38,7 +38,7 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
     """Run a job inside pytest's process, on the shared Ray runtime, as a sweep's jobs run."""
     cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", *overrides])
     run_dir = tmp_path / name
-    return run(cfg, Job(str(run_dir), "smoke", OmegaConf.to_yaml(cfg))), run_dir
+    return run(cfg, Job(str(run_dir), "smoke")), run_dir
 
 
 @pytest.mark.slow
@@ -95,6 +95,20 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
         assert (rank0["rank"], rank1["rank"]) == (0, 1)
         assert rank0["weights_sha256"] == rank1["weights_sha256"]  # DDP replicas stayed identical
         assert rank0["val_accuracy"] == rank1["val_accuracy"] and rank0["val_loss"] == rank1["val_loss"]
+
+    # the predict stage takes the newest finished run's logged model over the validation split: the same
+    # weights on the same rows, so the same accuracy; an MLflow run nested under the training run
+    result = run_cli(["+experiment=smoke", "stage=predict", "hydra.run.dir=predict"], tmp_path, data_root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (predicted,) = client.search_runs([experiment.experiment_id], filter_string="tags.`pipeline.stage` = 'predict'")
+    assert predicted.info.status == "FINISHED" and predicted.info.run_name == f"predict: {run_info.info.run_name}"
+    assert predicted.data.tags["mlflow.parentRunId"] == run_info.info.run_id
+    table = pq.read_table(tmp_path / "predict" / "predictions")
+    assert table.column_names == ["path", "prediction", "confidence", "label"]
+    accuracy = float((table["prediction"].to_numpy() == table["label"].to_numpy()).mean())
+    assert predicted.data.metrics["predict_rows"] == table.num_rows == run_info.data.metrics["val_rows"] == 256
+    assert predicted.data.metrics["predict_accuracy"] == pytest.approx(accuracy)
+    assert accuracy == pytest.approx(run_info.data.metrics["val_accuracy"], abs=2 / 256)  # batch-size rounding
 
 
 @pytest.mark.slow

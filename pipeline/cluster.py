@@ -1,0 +1,118 @@
+"""Where a job runs: a local Ray runtime, or an existing cluster joined with the project's code.
+
+Joining a cluster ships ``ray.py_modules`` (the pipeline and its transforms) in the job's runtime
+environment, so nodes need only the dependencies. On more than one node, every path a worker opens
+(run storage, local parquet) must be the same shared path everywhere; that is checked on each node
+before anything is recorded.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pipeline.config import PipelineError
+from pipeline.filesystems import is_s3
+
+log = logging.getLogger(__name__)
+NODE_CHECK_TIMEOUT_S = 120.0
+
+
+def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
+    """The job's runtime_env: ``extra`` (the config's), plus, joining a cluster, ``py_modules`` uploaded
+    from this checkout, so every node imports the same code the driver runs. Environment variables
+    become strings, as Ray requires (YAML reads ``1`` as a number)."""
+    env = dict(extra)
+    if env.get("env_vars"):
+        env["env_vars"] = {key: str(value) for key, value in env["env_vars"].items()}
+    if address is not None and py_modules:
+        modules = []
+        for name in py_modules:
+            try:
+                modules.append(importlib.import_module(name))
+            except ImportError as err:
+                raise PipelineError(f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err}).") from err
+        env["py_modules"] = [*env.get("py_modules", []), *modules]
+        env.setdefault("excludes", ["__pycache__/"])
+    return env
+
+
+def connect(ray_cfg: dict) -> None:
+    """Start or join Ray as ``ray.*`` says, with the project's code shipped to a cluster."""
+    env = runtime_env(ray_cfg["address"], ray_cfg["py_modules"], ray_cfg["runtime_env"])
+    start_ray(ray_cfg["address"], ray_cfg["num_cpus"], env)
+
+
+def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None) -> None:
+    """Join ``address`` or start a local runtime (never a cluster RAY_ADDRESS names by accident), once
+    per process: a sweep's jobs share it. Worker and Ray Data logs stay in Ray's session log files."""
+    if ray.is_initialized():
+        return
+    if address is None:  # nothing preempts a local runtime; the watcher costs a process start (~5 s)
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    ray.init(
+        address=address or "local",
+        num_cpus=num_cpus if address is None else None,
+        runtime_env=env or None,
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+        include_dashboard=False if address is None else None,
+    )
+    resources = ray.cluster_resources()
+    log.info("Ray runtime up (%s): %d node(s), %g CPU, %g GPU", address or "local", len(alive_nodes()),
+             resources.get("CPU", 0), resources.get("GPU", 0))
+
+
+def alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+@ray.remote(num_cpus=0)
+def _missing_here(paths: list[str]) -> list[str]:
+    return [path for path in paths if not os.path.exists(path)]
+
+
+def check_shared(address: str | None, paths: dict[str, str | None]) -> None:
+    """On a cluster of more than one node, fail unless each of ``paths`` (config key -> path or URI) is
+    set, and every node sees each local one as the driver does. A directory gets a marker file written
+    here and looked for on each node, so a same-named but separate local directory fails too. Through
+    Ray Client (``ray://``) the driver's files are not the cluster's, so only the first part is checked."""
+    nodes = alive_nodes()
+    if len(nodes) < 2:
+        return
+    for key, path in paths.items():
+        if path is None:
+            raise PipelineError(f"{key} must be set on a cluster of {len(nodes)} nodes: to a directory every node "
+                                "mounts at the same path (NFS, a cloud file system) or an s3:// URI.")
+    if (address or "").startswith("ray://"):
+        return
+    probes = {key: os.path.abspath(path) for key, path in paths.items() if not is_s3(path)}
+    markers = []
+    for key, path in probes.items():
+        if os.path.isdir(path):
+            markers.append(os.path.join(path, f".pipeline-shared-{uuid.uuid4().hex}"))
+            open(markers[-1], "w").close()
+            probes[key] = markers[-1]
+    try:
+        refs = [_missing_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+                .remote(list(probes.values())) for node in nodes]
+        try:
+            results = ray.get(refs, timeout=NODE_CHECK_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as err:
+            raise PipelineError(f"checking that every node sees {', '.join(probes)} took over "
+                                f"{NODE_CHECK_TIMEOUT_S:g} s: is a node of the cluster down?") from err
+    finally:
+        for marker in markers:
+            os.remove(marker)
+    for node, missing in zip(nodes, results):
+        for key, probe in probes.items():
+            if probe in missing:
+                raise PipelineError(
+                    f"{key}: {paths[key]} is not visible on node {node['NodeManagerAddress']} ({node['NodeID'][:12]}) "
+                    f"as it is on this driver. On a cluster of {len(nodes)} nodes every node must reach it: "
+                    "use a shared mount (NFS, a cloud file system) at the same path, or an s3:// URI."
+                )

@@ -1,0 +1,91 @@
+"""The predict stage's parts: which run it takes, how weights load, where predictions may go, and
+the replica's output against the model's own (end to end: test_pipeline.py, test_cluster.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import torch
+from hydra.utils import instantiate
+from mlflow import MlflowClient
+
+from conftest import compose_cfg
+from pipeline import tracking, train
+from pipeline.config import PipelineError
+from pipeline.predict import Predictor, check_output, load_weights, trained_run
+from test_pipeline import run_cli
+
+
+@pytest.fixture
+def store(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return client, client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+
+
+def test_the_model_run_is_named_by_id_or_name_or_is_the_newest_finished_training_run(store):
+    client, experiment = store
+    ids = {}
+    for name, status, trained in [("old", "FINISHED", True), ("new", "FINISHED", True), ("died", "FAILED", True),
+                                  ("sweep parent", "FINISHED", False)]:
+        tags = {tracking.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
+        ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
+        client.set_terminated(ids[name], status)
+    assert trained_run(client, experiment, None).info.run_id == ids["new"]
+    assert trained_run(client, experiment, "old").info.run_id == ids["old"]
+    assert trained_run(client, experiment, ids["died"]).info.run_id == ids["died"]
+    with pytest.raises(PipelineError, match="predict.run: no run with the id or name 'nope'"):
+        trained_run(client, experiment, "nope")
+    empty = client.create_experiment("empty")
+    with pytest.raises(PipelineError, match="no finished training run"):
+        trained_run(client, empty, None)
+
+
+def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_models(tmp_path, store):
+    client, experiment = store
+    weights = {"w": torch.arange(4.0)}
+    (tmp_path / "ckpt").mkdir()
+    torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / train.CHECKPOINT_FILE)
+    torch.save(weights, tmp_path / "bare.pt")
+    for source in (tmp_path / "ckpt", tmp_path / "ckpt" / train.CHECKPOINT_FILE, tmp_path / "bare.pt"):
+        assert torch.equal(load_weights(client, None, str(source))["w"], weights["w"])
+    torch.save({"model": weights, "code": np.dtype("O")}, tmp_path / "pickled.pt")  # not plain weights
+    with pytest.raises(PipelineError, match="cannot load weights from .*pickled.pt"):
+        load_weights(client, None, str(tmp_path / "pickled.pt"))
+
+    run_id = client.create_run(experiment, run_name="r").info.run_id
+    with pytest.raises(PipelineError, match="has no model/state_dict.pt .* predict.checkpoint=PATH"):
+        load_weights(client, client.get_run(run_id), None)
+    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / train.CHECKPOINT_FILE))
+    assert torch.equal(load_weights(client, client.get_run(run_id), None)["w"], weights["w"])
+
+
+def test_predictions_go_to_a_new_or_empty_directory(tmp_path):
+    check_output(str(tmp_path / "new"), {})
+    assert (tmp_path / "new").is_dir()
+    check_output(str(tmp_path / "new"), {})  # still empty: fine
+    (tmp_path / "new" / "part-0.parquet").write_bytes(b"old")
+    with pytest.raises(PipelineError, match="predict.output: .* already holds files"):
+        check_output(str(tmp_path / "new"), {})
+
+
+def test_a_replica_predicts_what_the_model_does_on_normalized_pixels(ray_runtime):
+    cfg = compose_cfg(["+experiment=smoke"])
+    torch.manual_seed(0)
+    model = instantiate(cfg["model"], _convert_="all").eval()
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
+    predictor = Predictor(cfg["model"], [ray.put(model.state_dict())], cfg["ingest"]["normalize"], "image", "label",
+                          use_gpu=False, train_cfg=cfg["train"])
+    out = predictor({"image": pixels, "label": np.arange(8), "path": np.array(["f.parquet"] * 8)})
+    with torch.no_grad():
+        logits = model(torch.as_tensor(pixels).float() / 255 * 2 - 1)  # mean 0.5, std 0.5
+    np.testing.assert_array_equal(out["prediction"], logits.argmax(1).numpy())
+    np.testing.assert_allclose(out["confidence"], torch.softmax(logits, 1).max(1).values.numpy(), rtol=1e-5)
+    np.testing.assert_array_equal(out["label"], np.arange(8))
+    assert list(out["path"]) == ["f.parquet"] * 8
+
+
+def test_predict_without_a_trained_run_says_what_to_do(tmp_path, data_root):
+    result = run_cli(["+experiment=smoke", "stage=predict"], tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output
+    assert "predict: there is no MLflow experiment 'smoke'" in output and "predict.checkpoint=PATH" in output
