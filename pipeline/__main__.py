@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import predict
+from pipeline import predict, train
 from pipeline.config import PipelineError, register
 from pipeline.run import Job, run
 
@@ -41,7 +41,9 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     job = describe_job(HydraConfig.get())
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # recorded as KILLED, like Ctrl-C
+    # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
+    signal.signal(signal.SIGINT, lambda signum, frame: train.request_stop(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda signum, frame: train.request_stop(SystemExit(128 + signum)))
     stage = predict.run if cfg.stage == "predict" else run
     try:
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)

@@ -1,8 +1,8 @@
 """One job, start to end: config -> source -> transforms -> train -> tracking.
 
 Every check that can fail on the user's input runs before the job's MLflow run is created (those
-that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep
-shows every job it tried.
+that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job
+records them as a FAILED child run, so the sweep shows every job it tried.
 """
 from __future__ import annotations
 
@@ -89,7 +89,6 @@ def preflight(cfg: dict) -> dict[str, source.Split]:
     shared = {f"source.{name}": split.files[0] for name, split in splits.items() if split.local}
     cluster.check_shared(cfg["ray"]["address"], {**shared, "storage.path": storage})
     return splits
-
 
 
 def process_started_at() -> float:

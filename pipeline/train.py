@@ -300,6 +300,17 @@ class _ReportRelay(ray.train.UserCallback):
         self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
 
 
+_stop_requests: list[BaseException] = []
+
+
+def request_stop(error: BaseException) -> None:
+    """A signal handler's body: raise ``error`` (KeyboardInterrupt, SystemExit) now, and again from
+    :func:`fit`'s wait loop. An exception a handler raises while a finalizer runs on the main thread
+    (Ray's handles have ``__del__``) is only printed, and a lost Ctrl-C would leave training running."""
+    _stop_requests.append(error)
+    raise error
+
+
 def fit(trainer: TorchTrainer) -> ray.train.Result:
     """``trainer.fit()`` in a helper thread, waited on from this one.
 
@@ -321,6 +332,8 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.5)  # a bounded wait lets signals through
+        if _stop_requests:
+            raise _stop_requests[0]
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

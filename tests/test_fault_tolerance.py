@@ -175,3 +175,25 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
                        "tracking.run_name=never-ran"])
     with pytest.raises(PipelineError, match=r"train.resume=true: no run named 'never-ran'"):
         run(cfg, Job(str(tmp_path / "run"), "smoke"))
+
+
+def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
+    """A KeyboardInterrupt raised inside a finalizer is only printed; the request it made still ends fit()."""
+    from pipeline import train
+
+    monkeypatch.setattr(train, "_stop_requests", [])
+
+    class SlowTrainer:  # stands in for TorchTrainer: fit() would return after 10 s
+        def fit(self) -> str:
+            time.sleep(10)
+            return "finished"
+
+    def swallowed_ctrl_c() -> None:
+        try:
+            train.request_stop(KeyboardInterrupt())
+        except KeyboardInterrupt:  # what happens to it inside a __del__
+            pass
+
+    threading.Timer(0.3, swallowed_ctrl_c).start()
+    with pytest.raises(KeyboardInterrupt):  # not "finished"
+        train.fit(SlowTrainer())
