@@ -151,7 +151,6 @@ def run(cfg: dict, job) -> dict:
     model_cfg = tracking.logged_config(client, model_run.info.run_id)["model"] if model_run else cfg["model"]
     weights = load_weights(client, model_run, predict["checkpoint"])
     split = source.check_split("predict.source", predict["source"], [src["feature_column"]], src["s3"])
-    split.rows = split.rows if src["limit"] is None else min(split.rows, src["limit"])
     label = src["label_column"] if src["label_column"] in split.columns else None
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])

@@ -32,7 +32,7 @@ class Split:
     files: list[str]
     rows: int
     filesystem: pafs.FileSystem
-    columns: list[str]  # the first file's
+    columns: list[str]  # the last file's schema (every file has the required columns)
 
     @property
     def local(self) -> bool:

@@ -127,8 +127,9 @@ def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[st
 def without_secrets(cfg: dict) -> dict:
     """``cfg`` with the values of ``ray.runtime_env.env_vars`` (where credentials for the cluster's
     workers go) replaced by ``***``."""
-    env_vars = cfg["ray"]["runtime_env"].get("env_vars") or {}
-    runtime_env = {**cfg["ray"]["runtime_env"], **({"env_vars": {k: "***" for k in env_vars}} if env_vars else {})}
+    runtime_env = dict(cfg["ray"]["runtime_env"])
+    if runtime_env.get("env_vars"):
+        runtime_env["env_vars"] = {key: "***" for key in runtime_env["env_vars"]}
     return {**cfg, "ray": {**cfg["ray"], "runtime_env": runtime_env}}
 
 
