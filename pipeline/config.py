@@ -53,6 +53,7 @@ class SourceConfig:
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
     reader_v2: bool = False  # Ray Data's V2 parquet reader (footer-reader actors; slower to start)
+    task_per_file: bool = True  # one read task per file, which also runs the transforms (see TransformSpec)
     s3: S3Config = field(default_factory=S3Config)  # used when a split is an s3:// URI
 
 
@@ -60,7 +61,8 @@ class SourceConfig:
 class TransformSpec:
     fn: Any = MISSING  # _target_ node: a function (run as Ray tasks) or a class (run as an actor pool)
     num_cpus: float = 1.0  # CPUs per preprocessing task/actor, separate from the training workers
-    batch_size: int = 1000
+    batch_size: Optional[int] = None  # rows per call; null: whole blocks, so Ray Data fuses the read and
+    # every step into one task (a file read, decoded and augmented in one go, nothing copied between steps)
     concurrency: Optional[int] = None  # tasks at once (functions) or actor pool size (classes); null: Ray's
     resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
     label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
@@ -272,7 +274,8 @@ def validate(cfg: dict) -> None:
         for name, spec in active_steps(cfg["transforms"][split]).items():
             check_target(spec["fn"], f"transforms.{split}.{name}.fn", runtime_args=("batch",), class_runtime_args=())
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
-            _require(spec["batch_size"] > 0, f"transforms.{split}.{name}.batch_size must be > 0.")
+            _require(spec["batch_size"] is None or spec["batch_size"] > 0,
+                     f"transforms.{split}.{name}.batch_size must be > 0 or null.")
             _require(spec["concurrency"] is None or spec["concurrency"] >= 1,
                      f"transforms.{split}.{name}.concurrency must be >= 1 or null.")
     if cfg["source"]["download"] is not None:

@@ -33,8 +33,8 @@ def apply(ds, specs: dict[str, dict], columns: list[str]):
 
 
 def dataset(split: source.Split, steps: dict[str, dict], columns: list[str], source_cfg: dict):
-    """``split`` read lazily (``source.limit``, ``source.reader_v2``) with ``steps`` chained on."""
-    read = source.read(split, source_cfg["limit"], columns, source_cfg["reader_v2"], read_placement(steps))
+    """``split`` read lazily (as ``source.*`` says) with ``steps`` chained on."""
+    read = source.read(split, columns, source_cfg, read_placement(steps))
     return apply(read, steps, columns)
 
 

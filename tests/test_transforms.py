@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import compose_cfg, jpeg
+from conftest import compose_cfg, jpeg, write_split
 from transforms import decode_jpeg, random_crop, random_flip
 
 
@@ -181,3 +181,22 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     expected = decoded["image"] + 10
     np.testing.assert_array_equal(np.stack([row["image"] for row in out]), expected)
     assert [row["label"] for row in out] == list(range(6))
+
+
+@pytest.mark.parametrize("task_per_file", [True, False])
+def test_one_task_per_file_reads_and_transforms_in_one_go(ray_runtime, tmp_path, task_per_file):
+    """With source.task_per_file and whole-block steps Ray Data fuses the read and every step into one
+    task per file; without it Ray splits a file into more blocks than files (here one file, 2 CPUs)."""
+    from pipeline import preprocess, source
+
+    write_split(tmp_path / "cifar10" / "train", 64, 1, seed=0)
+    write_split(tmp_path / "cifar10" / "test", 16, 1, seed=0)
+    cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null", f"source.task_per_file={task_per_file}"])
+    split = source.prepare(cfg["source"])["train"]
+    ds = preprocess.dataset(split, cfg["transforms"]["train"], ["image", "label"], cfg["source"])
+    rows = ds.take_all()
+    assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
+    stats = ds.stats()
+    assert ("SplitBlocks" in stats) != task_per_file
+    fused = "ReadParquet->MapBatches(decode_jpeg)->MapBatches(random_crop)->MapBatches(random_flip)"
+    assert (fused in stats) == task_per_file
