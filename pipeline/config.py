@@ -264,8 +264,17 @@ def check_keys(node: dict, schema: type, path: str = "") -> None:
 
 
 def validate(cfg: dict) -> None:
-    """Check a resolved config (a plain dict) for what the schema cannot express."""
-    check_keys(cfg, PipelineConfig)
+    """Check a resolved config (a plain dict) for what the schema cannot express: its values, then
+    its pluggable parts."""
+    check_values(cfg)
+    check_targets(cfg)
+
+
+def check_targets(cfg: dict) -> None:
+    """Import the model's, optimizer's, scheduler's and transforms' ``_target_`` and check their
+    arguments bind (``source.download`` is checked where it runs, :func:`pipeline.source.prepare`).
+    The imports are what costs here (the model's, torchvision, about 1.5 s), so a run does this
+    while Ray starts."""
     check_target(cfg["model"], "model")
     check_target(cfg["optim"], "optim", runtime_args=("params",))
     if cfg["scheduler"] is not None:
@@ -273,14 +282,18 @@ def validate(cfg: dict) -> None:
     for split in ("train", "valid"):
         for name, spec in active_steps(cfg["transforms"][split]).items():
             check_target(spec["fn"], f"transforms.{split}.{name}.fn", runtime_args=("batch",), class_runtime_args=())
+
+
+def check_values(cfg: dict) -> None:
+    """Unknown keys and values out of range: everything but the ``_target_`` imports."""
+    check_keys(cfg, PipelineConfig)
+    for split in ("train", "valid"):
+        for name, spec in active_steps(cfg["transforms"][split]).items():
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
             _require(spec["batch_size"] is None or spec["batch_size"] > 0,
                      f"transforms.{split}.{name}.batch_size must be > 0 or null.")
             _require(spec["concurrency"] is None or spec["concurrency"] >= 1,
                      f"transforms.{split}.{name}.concurrency must be >= 1 or null.")
-    if cfg["source"]["download"] is not None:
-        check_target(cfg["source"]["download"], "source.download", runtime_args=("root",))
-
     _require(cfg["optimized_metric"] in EPOCH_METRICS,
              f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.")
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]

@@ -12,13 +12,14 @@ import logging
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
 from ray.util.queue import Queue
 
 from pipeline import cluster, console, preprocess, source, tracking, train
-from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, validate
+from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, check_targets, check_values
 
 log = logging.getLogger(__name__)
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -75,13 +76,20 @@ def missing_rows(metrics: dict, splits: dict, num_workers: int, drop_last: bool)
 def preflight(cfg: dict) -> dict[str, source.Split]:
     """Config, data and storage checks, then Ray started or joined and the checks that need it: the
     job fits a local runtime; every node of a cluster reaches the storage and data. The checked
-    splits, or a PipelineError before anything is recorded."""
-    validate(cfg)
+    splits, or a PipelineError before anything is recorded.
+
+    Ray's start mostly waits on the processes it launches, so a helper thread meanwhile imports and
+    checks the ``_target_`` callables and opens the MLflow store (a new SQLite store creates its
+    tables): about 2.5 s that would otherwise come one after the other."""
+    check_values(cfg)
     splits = source.prepare(cfg["source"])
     storage = cfg["storage"]["path"]
     if storage is not None:
         train.check_storage(storage, cfg["storage"]["s3"])
-    cluster.connect(cfg["ray"])
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as helper:
+        checked = helper.submit(check_targets_then_open_store, cfg)
+        cluster.connect(cfg["ray"])
+        checked.result()
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
         transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
         transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
@@ -89,6 +97,13 @@ def preflight(cfg: dict) -> dict[str, source.Split]:
     shared = {f"source.{name}": split.files[0] for name, split in splits.items() if split.local}
     cluster.check_shared(cfg["ray"]["address"], {**shared, "storage.path": storage})
     return splits
+
+
+def check_targets_then_open_store(cfg: dict) -> None:
+    """The ``_target_`` checks, then, if they pass, the MLflow store opened: later clients of the same
+    store reuse it (MLflow caches a store per URI). It holds no run until one is started."""
+    check_targets(cfg)
+    tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
 
 
 def process_started_at() -> float:

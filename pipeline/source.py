@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineError
+from pipeline.config import PipelineError, check_target
 from pipeline.filesystems import is_s3, locate, s3_error
 
 SPLITS = ("train", "valid")
@@ -106,6 +106,7 @@ def prepare(source: dict) -> dict[str, Split]:
     if downloadable and not all(parquet_files(*locate(source[s], source["s3"], f"source.{s}")) for s in SPLITS):
         from hydra.utils import instantiate
 
+        check_target(source["download"], "source.download", runtime_args=("root",))
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
     checked = {split: check_split(f"source.{split}", source[split], columns, source["s3"]) for split in SPLITS}

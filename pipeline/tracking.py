@@ -45,11 +45,14 @@ def resolve_uri(uri: str | None, outputs: str) -> str:
 
 
 def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
-    """A client for the store :func:`resolve_uri` names (creating the outputs directory it lives in)."""
+    """A client for the store :func:`resolve_uri` names (creating the outputs directory it lives in),
+    with the store opened: a new SQLite store creates its tables here, the first time only."""
     resolved = resolve_uri(uri, outputs)
     if uri is None:
         os.makedirs(outputs, exist_ok=True)
-    return MlflowClient(tracking_uri=resolved), resolved
+    client = MlflowClient(tracking_uri=resolved)
+    client.search_experiments(max_results=1)
+    return client, resolved
 
 
 def flatten(node: object, prefix: str = "") -> dict[str, str]:
