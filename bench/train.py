@@ -5,7 +5,9 @@
   and startup_s (from the command to the first training step);
 - plain loop: the tutorial's step 1 in this process: the same model, optimizer, schedule, batch
   size, seed and data (``bench/plain.py``, a DataLoader with 2 workers), no Ray;
-- pipeline, 2 workers: the same command with 2 DDP workers at half a CPU each.
+- pipeline, 2 workers: the same command with 2 DDP workers at half a CPU each;
+- Ray's floor: ``bench/floor.py``, the least a Ray Train job fed by Ray Data takes here from command to
+  first batch, so the pipeline's start-up reads as a ratio to what Ray alone needs.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/train.py
 
@@ -13,6 +15,7 @@ Takes about 15 minutes on 2 cores. Prints a table and writes outputs/bench/train
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -45,6 +48,13 @@ def pipeline_run(overrides: list[str], workdir: str) -> dict:
             "val_accuracy": round(history("val_accuracy")[-1], 4),
             "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
             "startup_s": round(history("startup_s")[0], 1), "wall_s": round(wall, 1)}
+
+
+def ray_floor() -> float:
+    """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("floor.py"))], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["startup_s"]
 
 
 def plain_loop(cfg: dict) -> dict:
@@ -88,7 +98,9 @@ def main() -> None:
         one = pipeline_run([], f"{workdir}/one")
         loop = plain_loop(compose(EXPERIMENT))
         two = pipeline_run(TWO_WORKERS, f"{workdir}/two")
+    floor = ray_floor()
     figures = {"pipeline_1_worker": one, "plain_loop": loop, "pipeline_2_workers": two,
+               "ray_floor_startup_s": floor, "startup_over_floor": round(one["startup_s"] / floor, 2),
                "samples_s_ratio": [round(p / q, 3) for p, q in zip(one["samples_s"], loop["samples_s"])],
                "val_accuracy_gap": round(one["val_accuracy"] - loop["val_accuracy"], 4),
                "two_over_one_workers": [round(p / q, 3) for p, q in zip(two["samples_s"], one["samples_s"])]}
@@ -97,7 +109,9 @@ def main() -> None:
             ("pipeline / plain", *(f"{r}x" for r in figures["samples_s_ratio"]), f"{figures['val_accuracy_gap']:+}", "",
              ""),
             ("pipeline, 2 workers", *two["samples_s"], two["val_accuracy"], two["startup_s"], two["data_wait_fraction"]),
-            ("2 workers / 1 worker", *(f"{r}x" for r in figures["two_over_one_workers"]), "", "", "")]
+            ("2 workers / 1 worker", *(f"{r}x" for r in figures["two_over_one_workers"]), "", "", ""),
+            ("Ray Train + Ray Data alone (floor)", "", "", "", floor, ""),
+            ("pipeline / floor", "", "", "", f"{figures['startup_over_floor']}x", "")]
     print(table(rows, ("cifar_vit_cpu, 2 epochs", "epoch 1 samples/s", "epoch 2 samples/s", "val_accuracy",
                        "startup_s", "data_wait")))
     write("train", figures)
