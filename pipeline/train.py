@@ -30,7 +30,7 @@ from pipeline.config import PipelineError
 from pipeline.filesystems import is_s3, locate, s3_error
 
 CHECKPOINT_FILE = "checkpoint.pt"
-PROGRESS_INTERVAL_S = 0.5
+PROGRESS_INTERVAL_S = 1.0
 
 
 @dataclass
