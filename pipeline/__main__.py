@@ -9,12 +9,14 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import pipeline
 from pipeline import predict, train
 from pipeline.config import PipelineError, register
 from pipeline.run import Job, run
@@ -35,6 +37,7 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
         overrides=overrides,
         sweep_dir=os.path.abspath(hydra_cfg.sweep.dir) if sweeping else None,
         run_name=f"job {hydra_cfg.job.num}: {shown}".strip() if sweeping else None,
+        started_at=time.time() if sweeping and hydra_cfg.job.num > 0 else pipeline.STARTED_AT,
     )
 
 

@@ -23,7 +23,6 @@ from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, check_ta
 
 log = logging.getLogger(__name__)
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
-IMPORTED_AT = time.time()
 
 
 @dataclass
@@ -35,6 +34,8 @@ class Job:
     overrides: list[str] = field(default_factory=list)
     sweep_dir: str | None = None  # set for the jobs of a Hydra multirun
     run_name: str | None = None
+    # where startup_s counts from: pipeline.STARTED_AT for a command's first job, its own start for a sweep's later ones
+    started_at: float = field(default_factory=time.time)
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:
@@ -106,17 +107,6 @@ def check_targets_then_open_store(cfg: dict) -> None:
     tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
 
 
-def process_started_at() -> float:
-    """Unix time this process started, from Linux's /proc (the command's start, imports included);
-    elsewhere, when the pipeline was imported."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            ticks = float(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: start, in ticks after boot
-            return time.time() - float(uptime.read().split()[0]) + ticks / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return IMPORTED_AT
-
-
 def build_datasets(cfg: dict, splits: dict[str, source.Split]) -> dict:
     """Each split read lazily with its transforms chained on: nothing runs until a worker iterates."""
     src = cfg["source"]
@@ -131,7 +121,6 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
                                   cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
-    started_at = process_started_at()
     logged = tracking.logged_epochs(client, run_id)  # a resumed run already holds its first epochs
     preprocess.start_at_epoch(datasets["train"], max(logged, default=-1) + 1)
 
@@ -144,7 +133,7 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
         logged.add(metrics["epoch"])
         tracking.log_epoch(client, run_id, metrics, metrics["epoch"])
         if not history:  # how long the command took to reach its first training step
-            client.log_metric(run_id, "startup_s", metrics["first_step_at"] - started_at, step=metrics["epoch"])
+            client.log_metric(run_id, "startup_s", metrics["first_step_at"] - job.started_at, step=metrics["epoch"])
         skipped = missing_rows(metrics, splits, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
         if skipped:
             client.log_metric(run_id, "skipped_rows", skipped, step=metrics["epoch"])

@@ -41,6 +41,15 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
     return run(cfg, Job(str(run_dir), "smoke")), run_dir
 
 
+def test_startup_clock_starts_when_python_imports_the_pipeline_not_when_its_process_began():
+    """A script's ``setup && python -m pipeline`` may exec python in the shell's own process, started
+    before the setup: startup_s must not count the setup."""
+    script = "import time, pipeline; print(time.time() - pipeline.STARTED_AT)"
+    since = subprocess.run(["sh", "-c", 'sleep 2 && exec "$0" -c "$1"', sys.executable, script],
+                           capture_output=True, text=True, check=True).stdout
+    assert 0.0 <= float(since) < 1.5
+
+
 @pytest.mark.slow
 def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     started = time.monotonic()

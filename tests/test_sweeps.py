@@ -72,6 +72,8 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     finished = [c for c in children if c.info.status == "FINISHED"]
     for child in finished:
         assert {"learning_curve.png", "config.yaml", "model"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+    # each job's start-up counts from its own start (job 0: the command's), not from the process's
+    assert finished[1].data.metrics["startup_s"] < finished[0].data.metrics["startup_s"]  # Ray was up already
     best = max(finished, key=lambda c: c.data.metrics["val_accuracy"])
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id
     assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
