@@ -4,6 +4,7 @@
 
 About 20 minutes on 2 cores; each script prints its table and writes outputs/bench/<name>.json.
 """
+
 from __future__ import annotations
 
 import subprocess

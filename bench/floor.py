@@ -6,6 +6,7 @@ to what Ray alone needs.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python bench/floor.py   # prints {"startup_s": ...}
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,11 @@ import os
 import tempfile
 import time
 
-import pipeline  # first: starts the clock (pipeline.STARTED_AT) where `python -m pipeline` starts it
 import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
+import pipeline  # first: starts the clock (pipeline.STARTED_AT) where `python -m pipeline` starts it
 from pipeline.cluster import start_ray
 
 
@@ -31,10 +32,13 @@ def main() -> None:
     start_ray(None, None)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "first_batch")
-        TorchTrainer(first_batch, train_loop_config={"out": out},
-                     scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
-                     datasets={"train": ray.data.range(10_000)},
-                     run_config=ray.train.RunConfig(storage_path=tmp, name="floor")).fit()
+        TorchTrainer(
+            first_batch,
+            train_loop_config={"out": out},
+            scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+            datasets={"train": ray.data.range(10_000)},
+            run_config=ray.train.RunConfig(storage_path=tmp, name="floor"),
+        ).fit()
         with open(out) as file:
             reached = float(file.read())
     print(json.dumps({"startup_s": round(reached - pipeline.STARTED_AT, 1)}))

@@ -15,6 +15,7 @@ flip, and normalize every image, two epochs each:
 Extra arguments are config overrides for the pipeline side (for example ``ingest.prefetch_batches=4``).
 Prints a table and writes outputs/bench/ingest.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import plain
 import pyarrow.parquet as pq
 import simplejpeg
-
-import plain
 from report import data_dir, table, write
 
 EPOCHS = 2
@@ -58,8 +58,8 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     from ray.train.torch import TorchTrainer
 
     from pipeline import source, train
-    from pipeline.config import compose
     from pipeline.cluster import connect
+    from pipeline.config import compose
     from pipeline.run import build_datasets
 
     cfg = compose([*PIPELINE, *overrides])
@@ -69,8 +69,11 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
         out = Path(tmp) / "epochs.json"
         scaling_config, _ = train.trainer_settings(cfg["scaling"])
         TorchTrainer(
-            consume, train_loop_config={"cfg": cfg, "out": str(out)}, scaling_config=scaling_config,
-            datasets=build_datasets(cfg, {"train": split}), dataset_config=train.data_config(cfg),
+            consume,
+            train_loop_config={"cfg": cfg, "out": str(out)},
+            scaling_config=scaling_config,
+            datasets=build_datasets(cfg, {"train": split}),
+            dataset_config=train.data_config(cfg),
             run_config=ray.train.RunConfig(storage_path=tmp, name="ingest"),
         ).fit()
         epochs = json.loads(out.read_text())
@@ -117,12 +120,18 @@ def main(overrides: list[str]) -> dict:
     }
     figures["cold_ratio"] = round(figures["pipeline_img_s"][0] / figures["dataloader_img_s"][0], 2)
     figures["warm_ratio"] = round(figures["pipeline_img_s"][1] / figures["dataloader_img_s"][1], 2)
-    print(table([("pipeline (Ray Data + Ray Train worker)", *figures["pipeline_img_s"]),
-                 ("DataLoader(num_workers=2)", *figures["dataloader_img_s"]),
-                 ("pipeline / DataLoader", f"{figures['cold_ratio']}x", f"{figures['warm_ratio']}x"),
-                 ("pipeline: seconds to its first batch", *figures["pipeline_first_batch_s"]),
-                 ("decode only, one process", figures["decode_only_img_s"], "")],
-                ("images/s", "epoch 1 (cold)", "epoch 2 (warm)")))
+    print(
+        table(
+            [
+                ("pipeline (Ray Data + Ray Train worker)", *figures["pipeline_img_s"]),
+                ("DataLoader(num_workers=2)", *figures["dataloader_img_s"]),
+                ("pipeline / DataLoader", f"{figures['cold_ratio']}x", f"{figures['warm_ratio']}x"),
+                ("pipeline: seconds to its first batch", *figures["pipeline_first_batch_s"]),
+                ("decode only, one process", figures["decode_only_img_s"], ""),
+            ],
+            ("images/s", "epoch 1 (cold)", "epoch 2 (warm)"),
+        )
+    )
     write("ingest", figures)
     return figures
 

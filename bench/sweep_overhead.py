@@ -5,6 +5,7 @@ against the same 4 jobs as separate `python -m pipeline` runs, side by side in o
 
 Prints a table and writes outputs/bench/sweep_overhead.json (figures, machine, versions, commit).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,13 @@ GRID = {"optim.lr": ["1e-3", "3e-4"], "train.epochs": ["1", "2"]}
 
 def timed(args: list[str], cwd: str) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - start
 
 
@@ -39,8 +45,12 @@ def main() -> None:
         "saved_per_job_s": round((sum(single_s) - sweep_s) / len(jobs), 1),
         "singles_over_sweep": round(sum(single_s) / sweep_s, 2),
     }
-    print(table([("one multirun (-m)", figures["sweep_s"]), ("4 separate runs", figures["singles_s"])],
-                ("4-job smoke grid", "wall s")))
+    print(
+        table(
+            [("one multirun (-m)", figures["sweep_s"]), ("4 separate runs", figures["singles_s"])],
+            ("4-job smoke grid", "wall s"),
+        )
+    )
     print(f"saved per job: {figures['saved_per_job_s']} s; separate / multirun = {figures['singles_over_sweep']}x")
     write("sweep_overhead", figures)
 

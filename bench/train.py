@@ -13,6 +13,7 @@
 
 Takes about 15 minutes on 2 cores. Prints a table and writes outputs/bench/train.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import plain
 import torch
 from hydra.utils import instantiate
 from mlflow import MlflowClient
-
-import plain
 from report import data_dir, table, write
 
 EXPERIMENT = ["+experiment=cifar_vit_cpu"]
@@ -37,23 +37,33 @@ def pipeline_run(overrides: list[str], workdir: str) -> dict:
     """Run the pipeline's command; its figures come from the MLflow run it logged."""
     outputs = Path(workdir) / "outputs"
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipeline", *EXPERIMENT, *overrides, f"paths.outputs={outputs}"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", *EXPERIMENT, *overrides, f"paths.outputs={outputs}"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wall = time.perf_counter() - start
     client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    history = lambda key: [m.value for m in sorted(client.get_metric_history(run.info.run_id, key),  # noqa: E731
-                                                     key=lambda m: m.step)]
-    return {"samples_s": [round(v) for v in history("train_throughput")],
-            "val_accuracy": round(history("val_accuracy")[-1], 4),
-            "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
-            "startup_s": round(history("startup_s")[0], 1), "wall_s": round(wall, 1)}
+
+    def history(key: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    return {
+        "samples_s": [round(v) for v in history("train_throughput")],
+        "val_accuracy": round(history("val_accuracy")[-1], 4),
+        "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
+        "startup_s": round(history("startup_s")[0], 1),
+        "wall_s": round(wall, 1),
+    }
 
 
 def ray_floor() -> float:
     """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process)."""
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("floor.py"))], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("floor.py"))], check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])["startup_s"]
 
 
@@ -66,8 +76,9 @@ def plain_loop(cfg: dict) -> dict:
     optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
     train_batches, valid_batches = plain.loader(cfg, "train", True), plain.loader(cfg, "valid", False)
     epochs = cfg["train"]["epochs"]
-    scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=epochs * len(train_batches),
-                            _convert_="all")
+    scheduler = instantiate(
+        cfg["scheduler"], optimizer=optimizer, total_steps=epochs * len(train_batches), _convert_="all"
+    )
     samples_s, accuracy = [], 0.0
     for _ in range(epochs):
         model.train()
@@ -99,21 +110,44 @@ def main() -> None:
         loop = plain_loop(compose(EXPERIMENT))
         two = pipeline_run(TWO_WORKERS, f"{workdir}/two")
     floor = ray_floor()
-    figures = {"pipeline_1_worker": one, "plain_loop": loop, "pipeline_2_workers": two,
-               "ray_floor_startup_s": floor, "startup_over_floor": round(one["startup_s"] / floor, 2),
-               "samples_s_ratio": [round(p / q, 3) for p, q in zip(one["samples_s"], loop["samples_s"])],
-               "val_accuracy_gap": round(one["val_accuracy"] - loop["val_accuracy"], 4),
-               "two_over_one_workers": [round(p / q, 3) for p, q in zip(two["samples_s"], one["samples_s"])]}
-    rows = [("pipeline, 1 worker", *one["samples_s"], one["val_accuracy"], one["startup_s"], one["data_wait_fraction"]),
-            ("plain PyTorch loop", *loop["samples_s"], loop["val_accuracy"], "", ""),
-            ("pipeline / plain", *(f"{r}x" for r in figures["samples_s_ratio"]), f"{figures['val_accuracy_gap']:+}", "",
-             ""),
-            ("pipeline, 2 workers", *two["samples_s"], two["val_accuracy"], two["startup_s"], two["data_wait_fraction"]),
-            ("2 workers / 1 worker", *(f"{r}x" for r in figures["two_over_one_workers"]), "", "", ""),
-            ("Ray Train + Ray Data alone (floor)", "", "", "", floor, ""),
-            ("pipeline / floor", "", "", "", f"{figures['startup_over_floor']}x", "")]
-    print(table(rows, ("cifar_vit_cpu, 2 epochs", "epoch 1 samples/s", "epoch 2 samples/s", "val_accuracy",
-                       "startup_s", "data_wait")))
+    figures = {
+        "pipeline_1_worker": one,
+        "plain_loop": loop,
+        "pipeline_2_workers": two,
+        "ray_floor_startup_s": floor,
+        "startup_over_floor": round(one["startup_s"] / floor, 2),
+        "samples_s_ratio": [round(p / q, 3) for p, q in zip(one["samples_s"], loop["samples_s"])],
+        "val_accuracy_gap": round(one["val_accuracy"] - loop["val_accuracy"], 4),
+        "two_over_one_workers": [round(p / q, 3) for p, q in zip(two["samples_s"], one["samples_s"])],
+    }
+    rows = [
+        ("pipeline, 1 worker", *one["samples_s"], one["val_accuracy"], one["startup_s"], one["data_wait_fraction"]),
+        ("plain PyTorch loop", *loop["samples_s"], loop["val_accuracy"], "", ""),
+        (
+            "pipeline / plain",
+            *(f"{r}x" for r in figures["samples_s_ratio"]),
+            f"{figures['val_accuracy_gap']:+}",
+            "",
+            "",
+        ),
+        ("pipeline, 2 workers", *two["samples_s"], two["val_accuracy"], two["startup_s"], two["data_wait_fraction"]),
+        ("2 workers / 1 worker", *(f"{r}x" for r in figures["two_over_one_workers"]), "", "", ""),
+        ("Ray Train + Ray Data alone (floor)", "", "", "", floor, ""),
+        ("pipeline / floor", "", "", "", f"{figures['startup_over_floor']}x", ""),
+    ]
+    print(
+        table(
+            rows,
+            (
+                "cifar_vit_cpu, 2 epochs",
+                "epoch 1 samples/s",
+                "epoch 2 samples/s",
+                "val_accuracy",
+                "startup_s",
+                "data_wait",
+            ),
+        )
+    )
     write("train", figures)
 
 

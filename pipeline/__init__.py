@@ -1,4 +1,5 @@
 """Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP) -> MLflow."""
+
 import time
 
 # When this interpreter first imported the pipeline: for ``python -m pipeline``, the command's start

@@ -3,6 +3,7 @@
 With ``-m`` (a Hydra multirun) every job runs here in turn, sharing one Ray runtime; a failed job
 is logged and recorded, the sweep goes on, and :class:`pipeline.sweep.SweepSummary` reports it.
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@ environment, so nodes need only the dependencies. On more than one node, every p
 (run storage, local parquet) must be the same shared path everywhere; that is checked on each node
 before anything is recorded.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,7 +36,9 @@ def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict
             try:
                 modules.append(importlib.import_module(name))
             except ImportError as err:
-                raise PipelineError(f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err}).") from err
+                raise PipelineError(
+                    f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err})."
+                ) from err
         env["py_modules"] = [*env.get("py_modules", []), *modules]
         env.setdefault("excludes", ["__pycache__/"])
     return env
@@ -63,8 +66,13 @@ def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None
         include_dashboard=False if address is None else None,
     )
     resources = ray.cluster_resources()
-    log.info("Ray runtime up (%s): %d node(s), %g CPU, %g GPU", address or "local", len(alive_nodes()),
-             resources.get("CPU", 0), resources.get("GPU", 0))
+    log.info(
+        "Ray runtime up (%s): %d node(s), %g CPU, %g GPU",
+        address or "local",
+        len(alive_nodes()),
+        resources.get("CPU", 0),
+        resources.get("GPU", 0),
+    )
 
 
 def alive_nodes() -> list[dict]:
@@ -86,8 +94,10 @@ def check_shared(address: str | None, paths: dict[str, str | None]) -> None:
         return
     for key, path in paths.items():
         if path is None:
-            raise PipelineError(f"{key} must be set on a cluster of {len(nodes)} nodes: to a directory every node "
-                                "mounts at the same path (NFS, a cloud file system) or an s3:// URI.")
+            raise PipelineError(
+                f"{key} must be set on a cluster of {len(nodes)} nodes: to a directory every node "
+                "mounts at the same path (NFS, a cloud file system) or an s3:// URI."
+            )
     if (address or "").startswith("ray://"):
         return
     probes = {key: os.path.abspath(path) for key, path in paths.items() if not is_s3(path)}
@@ -98,13 +108,19 @@ def check_shared(address: str | None, paths: dict[str, str | None]) -> None:
             open(markers[-1], "w").close()
             probes[key] = markers[-1]
     try:
-        refs = [_missing_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-                .remote(list(probes.values())) for node in nodes]
+        refs = [
+            _missing_here.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            ).remote(list(probes.values()))
+            for node in nodes
+        ]
         try:
             results = ray.get(refs, timeout=NODE_CHECK_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as err:
-            raise PipelineError(f"checking that every node sees {', '.join(probes)} took over "
-                                f"{NODE_CHECK_TIMEOUT_S:g} s: is a node of the cluster down?") from err
+            raise PipelineError(
+                f"checking that every node sees {', '.join(probes)} took over "
+                f"{NODE_CHECK_TIMEOUT_S:g} s: is a node of the cluster down?"
+            ) from err
     finally:
         for marker in markers:
             os.remove(marker)

@@ -4,14 +4,15 @@ The dataclasses are registered as Hydra's ``schema`` config, so a wrong type or 
 at composition. Pluggable parts (``_target_`` nodes) are free-form there; :func:`validate` imports
 each target and binds its keyword arguments, so a misspelt argument fails here too, not on a worker.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import inspect
 import typing
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -22,8 +23,15 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 # Reported every epoch; *_rows count the rows that reached the training loop (all workers together);
 # data_wait_fraction is the share of the training loop's time spent waiting for its next batch.
-EPOCH_METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows",
-                 "data_wait_fraction")
+EPOCH_METRICS = (
+    "train_loss",
+    "val_loss",
+    "val_accuracy",
+    "train_throughput",
+    "train_rows",
+    "val_rows",
+    "data_wait_fraction",
+)
 
 
 class PipelineError(Exception):
@@ -188,7 +196,8 @@ def register() -> None:
 def compose(overrides: list[str] = ()) -> dict:
     """The resolved config as the entry point sees it (a plain dict), outside ``@hydra.main``:
     for tests and benchmarks, which build a job's parts themselves."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     register()
@@ -290,29 +299,45 @@ def check_values(cfg: dict) -> None:
     for split in ("train", "valid"):
         for name, spec in active_steps(cfg["transforms"][split]).items():
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
-            _require(spec["batch_size"] is None or spec["batch_size"] > 0,
-                     f"transforms.{split}.{name}.batch_size must be > 0 or null.")
-            _require(spec["concurrency"] is None or spec["concurrency"] >= 1,
-                     f"transforms.{split}.{name}.concurrency must be >= 1 or null.")
-    _require(cfg["optimized_metric"] in EPOCH_METRICS,
-             f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.")
+            _require(
+                spec["batch_size"] is None or spec["batch_size"] > 0,
+                f"transforms.{split}.{name}.batch_size must be > 0 or null.",
+            )
+            _require(
+                spec["concurrency"] is None or spec["concurrency"] >= 1,
+                f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
+            )
+    _require(
+        cfg["optimized_metric"] in EPOCH_METRICS,
+        f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.",
+    )
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
     _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
-    _require(train["checkpoint_metric"] in (None, *EPOCH_METRICS),
-             f"train.checkpoint_metric must be null or one of {', '.join(EPOCH_METRICS)}, "
-             f"got {train['checkpoint_metric']!r}.")
-    _require(train["checkpoint_mode"] in ("max", "min"),
-             f"train.checkpoint_mode must be max or min, got {train['checkpoint_mode']!r}.")
+    _require(
+        train["checkpoint_metric"] in (None, *EPOCH_METRICS),
+        f"train.checkpoint_metric must be null or one of {', '.join(EPOCH_METRICS)}, "
+        f"got {train['checkpoint_metric']!r}.",
+    )
+    _require(
+        train["checkpoint_mode"] in ("max", "min"),
+        f"train.checkpoint_mode must be max or min, got {train['checkpoint_mode']!r}.",
+    )
     _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
-    _require(not train["resume"] or cfg["tracking"]["run_name"],
-             "train.resume=true needs tracking.run_name: the name of the run to continue.")
-    _require(train["amp_dtype"] in ("bfloat16", "float16"),
-             f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.")
+    _require(
+        not train["resume"] or cfg["tracking"]["run_name"],
+        "train.resume=true needs tracking.run_name: the name of the run to continue.",
+    )
+    _require(
+        train["amp_dtype"] in ("bfloat16", "float16"),
+        f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.",
+    )
     _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
     _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
     normalize = ingest["normalize"]
-    _require(normalize is None or (len(normalize["mean"]) == len(normalize["std"]) and min(normalize["std"]) > 0),
-             f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.")
+    _require(
+        normalize is None or (len(normalize["mean"]) == len(normalize["std"]) and min(normalize["std"]) > 0),
+        f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
+    )
     _require(
         ingest["batch_size"] % scaling["num_workers"] == 0,
         f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "
@@ -325,5 +350,7 @@ def check_values(cfg: dict) -> None:
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
     _require(cfg["stage"] in ("train", "predict"), f"stage must be train or predict, got {cfg['stage']!r}.")
     predict = cfg["predict"]
-    _require(predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
-             "predict.batch_size and predict.concurrency must be >= 1.")
+    _require(
+        predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
+        "predict.batch_size and predict.concurrency must be >= 1.",
+    )

@@ -3,6 +3,7 @@
 Workers and the Train controller push events into a Ray queue; a driver thread renders them while
 ``trainer.fit()`` runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,6 @@ from collections.abc import Callable, Iterator
 from ray.exceptions import RayError
 from ray.util.queue import Empty, Queue
 from tqdm import tqdm
-
 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor, so
 # a short wait costs CPU all run long (at 0.2 s: 3-4% of a core between the driver and the actor); the
@@ -41,8 +41,15 @@ def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
     )
 
 
-def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int, on_report: Callable[[dict], dict],
-             on_restore: Callable[[int], None], errors: list[BaseException]) -> None:
+def _consume(
+    events: Queue,
+    stop: threading.Event,
+    epochs: int,
+    steps: int,
+    on_report: Callable[[dict], dict],
+    on_restore: Callable[[int], None],
+    errors: list[BaseException],
+) -> None:
     bar: tqdm | None = None
     while True:
         try:
@@ -56,8 +63,13 @@ def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int, on_r
         try:
             if kind == "progress":
                 if bar is None:
-                    bar = tqdm(total=steps, desc=f"epoch {payload['epoch'] + 1}/{epochs}", unit="batch",
-                               dynamic_ncols=True, leave=False)
+                    bar = tqdm(
+                        total=steps,
+                        desc=f"epoch {payload['epoch'] + 1}/{epochs}",
+                        unit="batch",
+                        dynamic_ncols=True,
+                        leave=False,
+                    )
                 bar.update(payload["step"] - bar.n)
                 bar.set_postfix(loss=f"{payload['loss']:.4f}", refresh=False)
             elif kind == "report":
@@ -79,12 +91,14 @@ def _consume(events: Queue, stop: threading.Event, epochs: int, steps: int, on_r
 
 
 @contextlib.contextmanager
-def follow(events: Queue, epochs: int, steps: int, on_report: Callable[[dict], dict],
-           on_restore: Callable[[int], None]) -> Iterator[None]:
+def follow(
+    events: Queue, epochs: int, steps: int, on_report: Callable[[dict], dict], on_restore: Callable[[int], None]
+) -> Iterator[None]:
     """Render events while the body runs; then drain the queue and raise what a callback raised."""
     stop, errors = threading.Event(), []
-    thread = threading.Thread(target=_consume, args=(events, stop, epochs, steps, on_report, on_restore, errors),
-                              daemon=True)
+    thread = threading.Thread(
+        target=_consume, args=(events, stop, epochs, steps, on_report, on_restore, errors), daemon=True
+    )
     thread.start()
     try:
         yield

@@ -5,6 +5,7 @@ never taken from the config: the AWS SDK inside pyarrow finds them itself (AWS_A
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE and ~/.aws, or an instance role) in every process that opens
 the filesystem, so they are not written into configs, MLflow params or the tasks Ray pickles.
 """
+
 from __future__ import annotations
 
 import os

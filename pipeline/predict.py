@@ -5,6 +5,7 @@ from the training run's logged config and loads its weights once, then labels ba
 source's rows stream past the same decode steps validation used. Predictions are written as parquet;
 the job is an MLflow run nested under the training run, with accuracy when the source has labels.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline import cluster, console, preprocess, source, tracking, train
 from pipeline.config import PipelineError, validate
-from pipeline.filesystems import is_s3, locate
+from pipeline.filesystems import locate
 
 log = logging.getLogger(__name__)
 CODE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -36,8 +37,16 @@ MODEL_ARTIFACT = "model/state_dict.pt"
 class Predictor:
     """One model replica, built and loaded once per actor, then called on each batch."""
 
-    def __init__(self, model_cfg: dict, weights: list, normalize: dict | None, feature: str, label: str | None,
-                 use_gpu: bool, train_cfg: dict):
+    def __init__(
+        self,
+        model_cfg: dict,
+        weights: list,
+        normalize: dict | None,
+        feature: str,
+        label: str | None,
+        use_gpu: bool,
+        train_cfg: dict,
+    ):
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         model = instantiate(model_cfg, _convert_="all")
         model.load_state_dict(ray.get(weights[0]))  # [ObjectRef]: fetched here, from the object store
@@ -64,9 +73,13 @@ class Predictor:
 def actor_options(predict: dict, use_gpu: bool) -> dict:
     """Ray Data's map_batches options for the replicas: pool size, CPUs, a GPU each on GPU runs, placement."""
     num_gpus = predict["num_gpus"] if predict["num_gpus"] is not None else (1 if use_gpu else 0)
-    return {"compute": ray.data.ActorPoolStrategy(size=predict["concurrency"]), "num_cpus": predict["num_cpus"],
-            "num_gpus": num_gpus,
-            "batch_size": predict["batch_size"], **preprocess.placement(predict)}
+    return {
+        "compute": ray.data.ActorPoolStrategy(size=predict["concurrency"]),
+        "num_cpus": predict["num_cpus"],
+        "num_gpus": num_gpus,
+        "batch_size": predict["batch_size"],
+        **preprocess.placement(predict),
+    }
 
 
 def trained_run(client, experiment: str, name_or_id: str | None):
@@ -76,18 +89,30 @@ def trained_run(client, experiment: str, name_or_id: str | None):
         try:
             return client.get_run(name_or_id)
         except MlflowException:
-            found = client.search_runs([experiment], filter_string=f"attributes.run_name = '{name_or_id}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1)
+            found = client.search_runs(
+                [experiment],
+                filter_string=f"attributes.run_name = '{name_or_id}'",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
             if not found:
-                raise PipelineError(f"predict.run: no run with the id or name {name_or_id!r} in this experiment.")
+                raise PipelineError(
+                    f"predict.run: no run with the id or name {name_or_id!r} in this experiment."
+                ) from None
             return found[0]
-    finished = client.search_runs([experiment], filter_string="attributes.status = 'FINISHED'",
-                                  order_by=["attributes.start_time DESC"], max_results=100)
+    finished = client.search_runs(
+        [experiment],
+        filter_string="attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=100,
+    )
     for run in finished:
         if tracking.STORAGE_TAG in run.data.tags:  # only training runs record their checkpoint storage
             return run
-    raise PipelineError("predict: this experiment has no finished training run; train one first, or name one with "
-                        "predict.run=NAME, or give predict.checkpoint=PATH.")
+    raise PipelineError(
+        "predict: this experiment has no finished training run; train one first, or name one with "
+        "predict.run=NAME, or give predict.checkpoint=PATH."
+    )
 
 
 def load_weights(client, run, checkpoint: str | None) -> dict:
@@ -145,8 +170,10 @@ def run(cfg: dict, job) -> dict:
     if predict["run"] or not predict["checkpoint"]:
         found = client.get_experiment_by_name(experiment_name)
         if found is None:
-            raise PipelineError(f"predict: there is no MLflow experiment {experiment_name!r} in {tracking.redact(uri)} "
-                                "to take a trained run from; train first, or give predict.checkpoint=PATH.")
+            raise PipelineError(
+                f"predict: there is no MLflow experiment {experiment_name!r} in {tracking.redact(uri)} "
+                "to take a trained run from; train first, or give predict.checkpoint=PATH."
+            )
         model_run = trained_run(client, found.experiment_id, predict["run"])
     model_cfg = tracking.logged_config(client, model_run.info.run_id)["model"] if model_run else cfg["model"]
     weights = load_weights(client, model_run, predict["checkpoint"])
@@ -155,30 +182,45 @@ def run(cfg: dict, job) -> dict:
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
     cluster.connect(cfg["ray"])
-    cluster.check_shared(cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None,
-                                                 "predict.output": output})
+    cluster.check_shared(
+        cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
+    )
 
     experiment = tracking.experiment_id(client, uri, experiment_name, cfg["paths"]["outputs"])
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
-    run_id = tracking.start_run(client, experiment, name, model_run.info.run_id if model_run else None,
-                                job.overrides, CODE_DIR)
+    run_id = tracking.start_run(
+        client, experiment, name, model_run.info.run_id if model_run else None, job.overrides, CODE_DIR
+    )
     client.set_tag(run_id, STAGE_TAG, "predict")
     client.set_tag(run_id, PREDICTIONS_TAG, output)
     tracking.log_config(client, run_id, cfg)
     with tracking.recorded(client, run_id):
         columns = [src["feature_column"]] + ([label] if label else []) + ["path"]
         rows = preprocess.dataset(split, cfg["transforms"]["valid"], columns, src)
-        predictor = {"model_cfg": model_cfg, "weights": [ray.put(weights)], "normalize": cfg["ingest"]["normalize"],
-                     "feature": src["feature_column"], "label": label, "use_gpu": cfg["scaling"]["use_gpu"],
-                     "train_cfg": cfg["train"]}
-        predictions = rows.map_batches(Predictor, fn_constructor_kwargs=predictor, batch_format="numpy",
-                                       **actor_options(predict, cfg["scaling"]["use_gpu"]))
+        predictor = {
+            "model_cfg": model_cfg,
+            "weights": [ray.put(weights)],
+            "normalize": cfg["ingest"]["normalize"],
+            "feature": src["feature_column"],
+            "label": label,
+            "use_gpu": cfg["scaling"]["use_gpu"],
+            "train_cfg": cfg["train"],
+        }
+        predictions = rows.map_batches(
+            Predictor,
+            fn_constructor_kwargs=predictor,
+            batch_format="numpy",
+            **actor_options(predict, cfg["scaling"]["use_gpu"]),
+        )
         fs, path = locate(output, src["s3"], "predict.output")
         started = time.perf_counter()
         predictions.write_parquet(path, filesystem=fs)
         metrics = score(output, src["s3"], label, time.perf_counter() - started)
         tracking.log_metrics(client, run_id, metrics, step=0)
-    log.info("predicted %d rows%s; written to %s", metrics["predict_rows"],
-             f", accuracy {metrics['predict_accuracy']:.4f}" if "predict_accuracy" in metrics else "",
-             tracking.redact(output))
+    log.info(
+        "predicted %d rows%s; written to %s",
+        metrics["predict_rows"],
+        f", accuracy {metrics['predict_accuracy']:.4f}" if "predict_accuracy" in metrics else "",
+        tracking.redact(output),
+    )
     return metrics

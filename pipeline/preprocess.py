@@ -3,6 +3,7 @@
 Functions run as stateless Ray tasks; classes run as an actor pool (built once per actor, for
 transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,12 @@ def apply(ds, specs: dict[str, dict], columns: list[str]):
     last: dict = {}
     for spec in active_steps(specs).values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
-        options = {"batch_format": "numpy", "batch_size": spec["batch_size"], "num_cpus": spec["num_cpus"],
-                   **placement(spec)}
+        options = {
+            "batch_format": "numpy",
+            "batch_size": spec["batch_size"],
+            "num_cpus": spec["num_cpus"],
+            **placement(spec),
+        }
         if isinstance(fn, functools.partial) and isinstance(fn.func, type):
             pool = ray.data.ActorPoolStrategy(size=spec["concurrency"] or 1)
             ds = ds.map_batches(fn.func, fn_constructor_kwargs=fn.keywords, compute=pool, **options)

@@ -4,6 +4,7 @@ Every check that can fail on the user's input runs before the job's MLflow run i
 that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job
 records them as a FAILED child run, so the sweep shows every job it tried.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,11 @@ def root_cause(err: BaseException) -> str:
     Ray flattens errors raised in tasks and actors into traceback text, so the last
     ``SomeError: ...`` line that is not one of Ray's wrappers is what user code raised.
     """
-    lines = [line for line in str(err).splitlines()
-             if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*: ", line) and not line.startswith("ray.")]
+    lines = [
+        line
+        for line in str(err).splitlines()
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*: ", line) and not line.startswith("ray.")
+    ]
     return lines[-1] if lines else f"{type(err).__name__}: {err}"
 
 
@@ -117,8 +121,9 @@ def build_datasets(cfg: dict, splits: dict[str, source.Split]) -> dict:
 def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resume_from: str | None) -> list[dict]:
     """Build the datasets, train, and log each epoch as it is reported, exactly once."""
     datasets = build_datasets(cfg, splits)
-    steps = train.steps_per_epoch(splits["train"].rows, cfg["scaling"]["num_workers"],
-                                  cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"])
+    steps = train.steps_per_epoch(
+        splits["train"].rows, cfg["scaling"]["num_workers"], cfg["ingest"]["batch_size"], cfg["ingest"]["drop_last"]
+    )
     events = Queue(actor_options={"num_cpus": 0})
     history: list[dict] = []
     logged = tracking.logged_epochs(client, run_id)  # a resumed run already holds its first epochs
@@ -137,8 +142,11 @@ def train_and_track(cfg: dict, job: Job, splits: dict, client, run_id: str, resu
         skipped = missing_rows(metrics, splits, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
         if skipped:
             client.log_metric(run_id, "skipped_rows", skipped, step=metrics["epoch"])
-            log.warning("epoch %d: %d row(s) never reached training (skipped by a transform; Ray's worker "
-                        "logs name them)", metrics["epoch"] + 1, skipped)
+            log.warning(
+                "epoch %d: %d row(s) never reached training (skipped by a transform; Ray's worker logs name them)",
+                metrics["epoch"] + 1,
+                skipped,
+            )
         with open(os.path.join(job.run_dir, "metrics.jsonl"), "a") as out:
             out.write(json.dumps({"checkpoint": report["checkpoint"], "ranks": ranks}) + "\n")
         history.append(metrics)
@@ -176,14 +184,16 @@ def run(cfg: dict, job: Job) -> dict:
         something to record. Returns the client, the store's URI, the run id and, when resuming, the
         checkpoint location the run recorded."""
         client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-        experiment_id = tracking.experiment_id(client, uri, cfg["tracking"]["experiment_name"] or job.experiment,
-                                               cfg["paths"]["outputs"])
+        experiment_id = tracking.experiment_id(
+            client, uri, cfg["tracking"]["experiment_name"] or job.experiment, cfg["paths"]["outputs"]
+        )
         if cfg["train"]["resume"]:
             run_id, resume_from = tracking.reopen_run(client, experiment_id, cfg["tracking"]["run_name"])
             return client, uri, run_id, resume_from
         parent = tracking.sweep_parent(client, experiment_id, job.sweep_dir) if job.sweep_dir else None
-        run_id = tracking.start_run(client, experiment_id, cfg["tracking"]["run_name"] or job.run_name, parent,
-                                    job.overrides, CODE_DIR)
+        run_id = tracking.start_run(
+            client, experiment_id, cfg["tracking"]["run_name"] or job.run_name, parent, job.overrides, CODE_DIR
+        )
         tracking.log_config(client, run_id, cfg)
         return client, uri, run_id, None
 
@@ -202,9 +212,16 @@ def run(cfg: dict, job: Job) -> dict:
             history = train_and_track(cfg, job, splits, client, run_id, resume_from)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM
         name = client.get_run(run_id).info.run_name
-        log.warning("interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
-                    "command plus: train.resume=true tracking.run_name=%s", name, name)
+        log.warning(
+            "interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
+            "command plus: train.resume=true tracking.run_name=%s",
+            name,
+            name,
+        )
         raise
-    log.info("finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
-             history[-1]["val_accuracy"], tracking.redact(uri))
+    log.info(
+        "finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
+        history[-1]["val_accuracy"],
+        tracking.redact(uri),
+    )
     return {k: history[-1][k] for k in EPOCH_METRICS}

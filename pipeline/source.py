@@ -4,6 +4,7 @@ Splits are local paths or ``s3://`` URIs. Checks read only parquet footers, so a
 bucket or column fails in milliseconds (an unreachable endpoint within its timeouts), before Ray
 starts a worker.
 """
+
 from __future__ import annotations
 
 import glob
@@ -57,10 +58,13 @@ def _missing(key: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineErro
     if is_s3(uri):
         bucket = path.split("/", 1)[0]
         if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-            return PipelineError(f"{key}: the bucket {bucket!r} of {uri} does not exist (or is not "
-                                 "visible with these credentials). Check the bucket name and source.s3.endpoint_url.")
-        return PipelineError(f"{key}: no parquet files under {uri}. Check the prefix (source.root / "
-                             f"{key}); files must end in .parquet.")
+            return PipelineError(
+                f"{key}: the bucket {bucket!r} of {uri} does not exist (or is not "
+                "visible with these credentials). Check the bucket name and source.s3.endpoint_url."
+            )
+        return PipelineError(
+            f"{key}: no parquet files under {uri}. Check the prefix (source.root / {key}); files must end in .parquet."
+        )
     return PipelineError(
         f"{key}: no parquet files at {uri!r} (resolved to {path!r}). "
         "Set PIPELINE_DATA_DIR to the directory that holds the data (for CIFAR-10 it must contain "
@@ -128,8 +132,14 @@ def read(split: Split, columns: list[str], source: dict, placement: dict | None 
 
     ray.data.DataContext.get_current().use_datasource_v2 = source["reader_v2"]
     blocks = len(split.files) if source["task_per_file"] else None
-    ds = ray.data.read_parquet(split.files, filesystem=split.filesystem, columns=columns, include_paths=True,
-                               override_num_blocks=blocks, **(placement or {}))
+    ds = ray.data.read_parquet(
+        split.files,
+        filesystem=split.filesystem,
+        columns=columns,
+        include_paths=True,
+        override_num_blocks=blocks,
+        **(placement or {}),
+    )
     return ds if source["limit"] is None else ds.limit(source["limit"])
 
 

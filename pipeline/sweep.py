@@ -4,6 +4,7 @@ print one line per job, and exit non-zero if any job failed.
 Jobs report to MLflow themselves (see ``run.py``); this callback only reads the store back, so it
 works whichever launcher ran the jobs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,16 +29,22 @@ def better(metric: str) -> int:
 
 def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[list[dict], dict | None]:
     """Every child of the sweep's parent run, in job order, and the best finished one."""
-    children = client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent}'",
-                                  order_by=["attributes.start_time ASC"])
-    jobs = [{
-        "run_id": child.info.run_id,
-        "name": child.info.run_name,
-        "status": child.info.status,
-        "value": child.data.metrics.get(metric, math.nan),
-        "overrides": child.data.tags.get(tracking.OVERRIDES_TAG, ""),
-        "error": child.data.tags.get(tracking.ERROR_TAG, ""),
-    } for child in children]
+    children = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent}'",
+        order_by=["attributes.start_time ASC"],
+    )
+    jobs = [
+        {
+            "run_id": child.info.run_id,
+            "name": child.info.run_name,
+            "status": child.info.status,
+            "value": child.data.metrics.get(metric, math.nan),
+            "overrides": child.data.tags.get(tracking.OVERRIDES_TAG, ""),
+            "error": child.data.tags.get(tracking.ERROR_TAG, ""),
+        }
+        for child in children
+    ]
     finished = [j for j in jobs if j["status"] == "FINISHED" and not math.isnan(j["value"])]
     best = max(finished, key=lambda j: better(metric) * j["value"]) if finished else None
     return jobs, best

@@ -3,6 +3,7 @@
 Everything goes through ``MlflowClient`` with an explicit run id, so no global "active run" state
 leaks between the jobs of a sweep or into worker processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,15 +88,21 @@ def sweep_parent(client: MlflowClient, experiment: str, sweep_dir: str) -> str:
 def git_commit(path: str) -> str | None:
     """The commit of the code at ``path`` (with ``-dirty`` for uncommitted changes), if it is a checkout."""
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--match=NeVeR"],
-                             cwd=path, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=40", "--match=NeVeR"],
+            cwd=path,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def start_run(client: MlflowClient, experiment: str, run_name: str | None, parent: str | None,
-              overrides: list[str], code_dir: str) -> str:
+def start_run(
+    client: MlflowClient, experiment: str, run_name: str | None, parent: str | None, overrides: list[str], code_dir: str
+) -> str:
     """Create the job's run (RUNNING), nested under ``parent`` in a sweep, tagged with the Hydra
     overrides and the code's git commit."""
     tags = {OVERRIDES_TAG: redact(" ".join(overrides))[:MAX_TAG_LENGTH]}
@@ -109,18 +116,27 @@ def start_run(client: MlflowClient, experiment: str, run_name: str | None, paren
 
 def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[str, str]:
     """The newest unfinished run named ``run_name``, set RUNNING again, and its checkpoint location."""
-    found = client.search_runs([experiment], filter_string=f"attributes.run_name = '{run_name}'",
-                               order_by=["attributes.start_time DESC"], max_results=1)
+    found = client.search_runs(
+        [experiment],
+        filter_string=f"attributes.run_name = '{run_name}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     if not found:
-        raise PipelineError(f"train.resume=true: no run named {run_name!r} in this experiment to resume "
-                            "(tracking.run_name). Without train.resume a run always starts fresh.")
+        raise PipelineError(
+            f"train.resume=true: no run named {run_name!r} in this experiment to resume "
+            "(tracking.run_name). Without train.resume a run always starts fresh."
+        )
     run = found[0]
     if run.info.status == "FINISHED":
-        raise PipelineError(f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; "
-                            "start a new run instead.")
+        raise PipelineError(
+            f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; start a new run instead."
+        )
     if STORAGE_TAG not in run.data.tags:
-        raise PipelineError(f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
-                            "so it has no checkpoint to resume from.")
+        raise PipelineError(
+            f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
+            "so it has no checkpoint to resume from."
+        )
     client.update_run(run.info.run_id, status="RUNNING")
     if ERROR_TAG in run.data.tags:  # the failure that stopped it is in the past now
         client.delete_tag(run.info.run_id, ERROR_TAG)
@@ -148,9 +164,8 @@ def log_config(client: MlflowClient, run_id: str, cfg: dict) -> None:
 
 def logged_config(client: MlflowClient, run_id: str) -> dict:
     """The config a run logged (``config.yaml``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(client.download_artifacts(run_id, "config.yaml", tmp)) as file:
-            return yaml.safe_load(file)
+    with tempfile.TemporaryDirectory() as tmp, open(client.download_artifacts(run_id, "config.yaml", tmp)) as file:
+        return yaml.safe_load(file)
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> None:

@@ -4,6 +4,7 @@ Workers get a plain dict (no Hydra context exists there), stream their shard wit
 ``iter_torch_batches``, all-reduce validation sums so every world size reports the same numbers for
 the same weights, and report metrics plus a checkpoint once per epoch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -206,9 +207,13 @@ def _train_epoch(model, optimizer, scheduler, autocast, scaler, batches, cfg, ep
             last_sent = time.monotonic()
     elapsed = clock.elapsed()
     total_loss, total_seen, waited, ran = _sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
-    return {"train_loss": total_loss / max(total_seen, 1), "train_throughput": total_seen / elapsed,
-            "train_rows": int(total_seen), "data_wait_fraction": waited / max(ran, 1e-9),
-            "first_step_at": first_step_at}
+    return {
+        "train_loss": total_loss / max(total_seen, 1),
+        "train_throughput": total_seen / elapsed,
+        "train_rows": int(total_seen),
+        "data_wait_fraction": waited / max(ran, 1e-9),
+        "first_step_at": first_step_at,
+    }
 
 
 @torch.no_grad()
@@ -296,20 +301,37 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start_epoch, epochs):
         metrics = _train_epoch(
-            model, optimizer, scheduler, autocast, scaler,
-            first_epoch_batches if epoch == start_epoch else train_batches(epoch), cfg, epoch, device,
+            model,
+            optimizer,
+            scheduler,
+            autocast,
+            scaler,
+            first_epoch_batches if epoch == start_epoch else train_batches(epoch),
+            cfg,
+            epoch,
+            device,
             progress if rank == 0 else None,
         )
         valid_batches = batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, None, False)
         metrics.update(evaluate(replica, autocast, valid_batches, cfg))
-        metrics.update(epoch=epoch, rank=rank, weights_sha256=weights_digest(replica),  # where each rank ran,
-                       pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),  # and which copy of the
-                       code=os.path.dirname(os.path.abspath(__file__)))  # code: metrics.jsonl keeps it
+        metrics.update(
+            epoch=epoch,
+            rank=rank,
+            weights_sha256=weights_digest(replica),  # where each rank ran,
+            pid=os.getpid(),
+            node_id=ray.get_runtime_context().get_node_id(),  # and which copy of the
+            code=os.path.dirname(os.path.abspath(__file__)),
+        )  # code: metrics.jsonl keeps it
         with tempfile.TemporaryDirectory() as tmp:
             saved = None
             if rank == 0:
-                state = {"model": replica.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                         "scaler": scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+                state = {
+                    "model": replica.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epoch": epoch,
+                    "scaler": scaler.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                }
                 if scheduler is not None:
                     state["scheduler"] = scheduler.state_dict()
                 torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))

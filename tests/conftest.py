@@ -2,6 +2,7 @@
 
 Ray must keep its traffic on 127.0.0.1, so the variable is set before anything imports Ray.
 """
+
 from __future__ import annotations
 
 import io
@@ -15,8 +16,12 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Tests never reach real AWS: fake credentials whose secret is random (the leak test searches every
 # output for it), no profile, no instance-metadata lookups. Set before Ray starts, so workers inherit them.
 AWS_SECRET = f"pipeline-test-secret-{secrets.token_hex(12)}"
-os.environ.update(AWS_ACCESS_KEY_ID="pipeline-test-key", AWS_SECRET_ACCESS_KEY=AWS_SECRET,
-                  AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+os.environ.update(
+    AWS_ACCESS_KEY_ID="pipeline-test-key",
+    AWS_SECRET_ACCESS_KEY=AWS_SECRET,
+    AWS_DEFAULT_REGION="us-east-1",
+    AWS_EC2_METADATA_DISABLED="true",
+)
 for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE"):
     os.environ.pop(variable, None)
 

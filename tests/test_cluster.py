@@ -1,6 +1,7 @@
 """The pipeline on a real two-node Ray cluster (separate raylets on 127.0.0.1), driven from a separate
 process as a user would: placement by resource and label, code shipped to the nodes, shared storage
 required, and the predict stage's replicas pinned to the "GPU" node. Checked through Ray's state API."""
+
 from __future__ import annotations
 
 import json
@@ -11,26 +12,32 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from mlflow import MlflowClient
-
 from conftest import free_port
+from mlflow import MlflowClient
 from test_pipeline import no_runs_logged, run_cli
 
 HERE = Path(__file__).parent
 # Training on the "GPU" node by a custom resource and a label; every preprocessing step on the "CPU"
 # node, by resource (decode, crop) or label (flip): what a user writes in an experiment file.
 PLACEMENT = [
-    "+scaling.resources_per_worker.gpu_node=1", "+scaling.label_selector.node-type=gpu",
-    "+transforms.train.decode.resources.cpu_node=1", "+transforms.train.crop.resources.cpu_node=1",
-    "+transforms.train.flip.label_selector.node-type=cpu", "+transforms.valid.decode.resources.cpu_node=1",
+    "+scaling.resources_per_worker.gpu_node=1",
+    "+scaling.label_selector.node-type=gpu",
+    "+transforms.train.decode.resources.cpu_node=1",
+    "+transforms.train.crop.resources.cpu_node=1",
+    "+transforms.train.flip.label_selector.node-type=cpu",
+    "+transforms.valid.decode.resources.cpu_node=1",
 ]
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Head ("CPU node", with the dashboard for the state API) + a "GPU node", in their own process."""
-    helper = subprocess.Popen([sys.executable, str(HERE / "two_node_cluster.py"), str(free_port())],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    helper = subprocess.Popen(
+        [sys.executable, str(HERE / "two_node_cluster.py"), str(free_port())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = helper.stdout.readline()
         assert line, f"the cluster did not start (exit {helper.poll()})"
@@ -62,16 +69,29 @@ def test_multi_node_run_without_shared_storage_fails_before_anything_is_recorded
 @pytest.mark.slow
 def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(tmp_path, data_root, cluster):
     storage = tmp_path / "storage"
-    result = run_cli(["+experiment=smoke", f"ray.address={cluster['address']}", f"storage.path={storage}",
-                      "tracking.run_name=on-cluster", "hydra.run.dir=run", *PLACEMENT], tmp_path, data_root)
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            f"ray.address={cluster['address']}",
+            f"storage.path={storage}",
+            "tracking.run_name=on-cluster",
+            "hydra.run.dir=run",
+            *PLACEMENT,
+        ],
+        tmp_path,
+        data_root,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert run.info.status == "FINISHED" and 0 <= run.data.metrics["val_accuracy"] <= 1
     assert run.data.tags["pipeline.storage"].startswith(str(storage))
-    ranks = [rank for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-             for rank in json.loads(line)["ranks"]]
+    ranks = [
+        rank
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        for rank in json.loads(line)["ranks"]
+    ]
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"]}
     # the workers imported the pipeline the driver uploaded (ray.py_modules), not this checkout
     assert all("runtime_resources" in r["code"] and not r["code"].startswith(str(HERE.parent)) for r in ranks)
@@ -82,14 +102,26 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
         nodes = {node for name, node in tasks if step in name}
         assert nodes == {"cpu"}, (step, nodes)
 
-    result = run_cli(["+experiment=smoke", "stage=predict", "predict.run=on-cluster", f"ray.address={cluster['address']}",
-                      f"predict.output={tmp_path / 'predictions'}", "predict.num_cpus=0", "+predict.resources.gpu_node=1",
-                      "+transforms.valid.decode.resources.cpu_node=1"], tmp_path, data_root)
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            "stage=predict",
+            "predict.run=on-cluster",
+            f"ray.address={cluster['address']}",
+            f"predict.output={tmp_path / 'predictions'}",
+            "predict.num_cpus=0",
+            "+predict.resources.gpu_node=1",
+            "+transforms.valid.decode.resources.cpu_node=1",
+        ],
+        tmp_path,
+        data_root,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     actors, tasks = state(cluster)
     assert {node for name, node in actors if "Predictor" in name} == {"gpu"}
-    predicted = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                                   filter_string="tags.`pipeline.stage` = 'predict'")[0]
+    predicted = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id], filter_string="tags.`pipeline.stage` = 'predict'"
+    )[0]
     table = pq.read_table(tmp_path / "predictions")
     assert table.num_rows == predicted.data.metrics["predict_rows"] == run.data.metrics["val_rows"]
     assert predicted.data.metrics["predict_accuracy"] == pytest.approx(run.data.metrics["val_accuracy"], abs=0.01)

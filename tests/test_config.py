@@ -1,14 +1,15 @@
 """Config composition, the schema's type and key checks, and the GPU/CPU settings logic."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from conftest import compose_cfg
-from pipeline.config import PipelineError, active_steps, validate
 from pipeline.cluster import runtime_env
+from pipeline.config import PipelineError, active_steps, validate
 from pipeline.predict import actor_options
 from pipeline.preprocess import placement, read_placement
 from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_settings
@@ -17,8 +18,14 @@ from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_s
 def test_cifar_vit_is_the_ray_train_tutorial():
     cfg = compose_cfg(["+experiment=cifar_vit"])
     assert cfg["model"] == {
-        "_target_": "torchvision.models.VisionTransformer", "image_size": 32, "patch_size": 4,
-        "num_layers": 12, "num_heads": 8, "hidden_dim": 384, "mlp_dim": 768, "num_classes": 10,
+        "_target_": "torchvision.models.VisionTransformer",
+        "image_size": 32,
+        "patch_size": 4,
+        "num_layers": 12,
+        "num_heads": 8,
+        "hidden_dim": 384,
+        "mlp_dim": 768,
+        "num_classes": 10,
     }
     assert cfg["optim"] == {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 1e-2}
     assert cfg["train"]["epochs"] == 1 and cfg["ingest"]["batch_size"] == 512
@@ -82,9 +89,11 @@ def test_unknown_key_in_an_experiment_file_is_rejected(tmp_path):
 
 @pytest.mark.parametrize(
     ("override", "message"),
-    [("+scaling.workers=2", r"scaling.workers: unknown key. scaling takes: num_workers, use_gpu"),
-     ("+transforms.train.flip.cpus=1", r"transforms.train.flip.cpus: unknown key"),
-     ("+extra=1", r"extra: unknown key. The config takes: source")],
+    [
+        ("+scaling.workers=2", r"scaling.workers: unknown key. scaling takes: num_workers, use_gpu"),
+        ("+transforms.train.flip.cpus=1", r"transforms.train.flip.cpus: unknown key"),
+        ("+extra=1", r"extra: unknown key. The config takes: source"),
+    ],
 )
 def test_keys_added_with_plus_are_checked_too(override, message):
     with pytest.raises(PipelineError, match=message):
@@ -117,9 +126,16 @@ def test_gpu_scaling_uses_nccl_and_gpus():
 
 def test_placement_is_declared_per_pool():
     """Training workers by resource and label; each transform step, and the reads before it, where it says."""
-    cfg = compose_cfg(["scaling=gpu", "+scaling.resources_per_worker.gpu_node=1", "+scaling.label_selector.tier=gpu",
-                       "+transforms.train.decode.resources.cpu_node=1", "+transforms.train.decode.label_selector.tier=cpu",
-                       "transforms.train.decode.concurrency=3"])
+    cfg = compose_cfg(
+        [
+            "scaling=gpu",
+            "+scaling.resources_per_worker.gpu_node=1",
+            "+scaling.label_selector.tier=gpu",
+            "+transforms.train.decode.resources.cpu_node=1",
+            "+transforms.train.decode.label_selector.tier=cpu",
+            "transforms.train.decode.concurrency=3",
+        ]
+    )
     scaling, _ = trainer_settings(cfg["scaling"])
     assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1, "gpu_node": 1}
     assert scaling.label_selector == {"tier": "gpu"}

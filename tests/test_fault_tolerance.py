@@ -1,7 +1,9 @@
 """Failures with real processes and signals: a killed training worker, Ctrl-C and SIGTERM on the
 command, and resuming an interrupted run into the same MLflow run."""
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,17 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from mlflow import MlflowClient
-
 from conftest import compose_cfg
+from mlflow import MlflowClient
+from test_pipeline import cli_env, in_process, run_cli
+
 from pipeline.config import EPOCH_METRICS, PipelineError
 from pipeline.run import Job, run
-from test_pipeline import cli_env, in_process, run_cli
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
 # the same numbers.
-DETERMINISTIC = ["source.limit=null", "ingest.batch_size=16", "scaling.num_workers=1",
-                 "ingest.preserve_order=true", "train.epochs=3"]
+DETERMINISTIC = [
+    "source.limit=null",
+    "ingest.batch_size=16",
+    "scaling.num_workers=1",
+    "ingest.preserve_order=true",
+    "train.epochs=3",
+]
 
 
 def wait_for_epochs(run_dir: Path, count: int, timeout_s: float = 300.0) -> None:
@@ -64,8 +71,14 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def start_cli(args: list[str], cwd: Path, data_root: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(data_root),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        env=cli_env(data_root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def interrupt_after_first_epoch(tmp_path: Path, data_root: Path, signum: int, args: list[str]) -> tuple[str, set[int]]:
@@ -94,7 +107,9 @@ def assert_each_epoch_once(client: MlflowClient, run_id: str, epochs: int) -> No
 
 @pytest.mark.slow
 def test_sigterm_ends_the_run_killed_with_a_loadable_checkpoint_and_no_processes_left(tmp_path, data_root):
-    output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGTERM, ["+experiment=smoke", *DETERMINISTIC])
+    output, started = interrupt_after_first_epoch(
+        tmp_path, data_root, signal.SIGTERM, ["+experiment=smoke", *DETERMINISTIC]
+    )
     client, run_info = the_run(tmp_path)
     assert run_info.info.status == "KILLED", output
     checkpoints = sorted(Path(run_info.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt"))
@@ -107,7 +122,8 @@ def test_sigterm_ends_the_run_killed_with_a_loadable_checkpoint_and_no_processes
 
 @pytest.mark.slow
 def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_one(
-        tmp_path, data_root, ray_runtime, monkeypatch):
+    tmp_path, data_root, ray_runtime, monkeypatch
+):
     args = ["+experiment=smoke", *DETERMINISTIC, "tracking.run_name=long-run"]
     output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGINT, args)
     client, interrupted = the_run(tmp_path)
@@ -148,9 +164,18 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root
 
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
-    metrics, _ = in_process(tmp_path, "run", ["source.limit=null", "ingest.batch_size=16", "train.epochs=3",
-                                              "train.max_failures=1", "train.num_to_keep=1",
-                                              "train.checkpoint_metric=val_accuracy"])
+    metrics, _ = in_process(
+        tmp_path,
+        "run",
+        [
+            "source.limit=null",
+            "ingest.batch_size=16",
+            "train.epochs=3",
+            "train.max_failures=1",
+            "train.num_to_keep=1",
+            "train.checkpoint_metric=val_accuracy",
+        ],
+    )
     killer.join(timeout=5)
     assert killed and killed[0].startswith("ray::RayTrainWorker")
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
@@ -162,8 +187,9 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root
     # num_to_keep=1 by val_accuracy: Ray keeps the best checkpoint and the latest (one if they coincide).
     storage = Path(run_info.data.tags["pipeline.storage"])
     kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
-    epochs = {torch.load(storage / c["checkpoint_dir_name"] / "checkpoint.pt", weights_only=True)["epoch"]
-              for c in kept}
+    epochs = {
+        torch.load(storage / c["checkpoint_dir_name"] / "checkpoint.pt", weights_only=True)["epoch"] for c in kept
+    }
     reports = [json.loads(line)["ranks"][0] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     best = max(reversed(reports), key=lambda r: r["val_accuracy"])["epoch"]  # on a tie the later one wins
     assert epochs == {best, 2}, reports
@@ -171,8 +197,14 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root
 
 def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
-    cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", "train.resume=true",
-                       "tracking.run_name=never-ran"])
+    cfg = compose_cfg(
+        [
+            "+experiment=smoke",
+            f"paths.outputs={tmp_path / 'outputs'}",
+            "train.resume=true",
+            "tracking.run_name=never-ran",
+        ]
+    )
     with pytest.raises(PipelineError, match=r"train.resume=true: no run named 'never-ran'"):
         run(cfg, Job(str(tmp_path / "run"), "smoke"))
 
@@ -189,10 +221,8 @@ def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
             return "finished"
 
     def swallowed_ctrl_c() -> None:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # what happens to it inside a __del__
             train.request_stop(KeyboardInterrupt())
-        except KeyboardInterrupt:  # what happens to it inside a __del__
-            pass
 
     threading.Timer(0.3, swallowed_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):  # not "finished"

@@ -1,4 +1,5 @@
 """The pipeline end to end: real Ray, real MLflow store, real checkpoints, all under tmp_path."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import compose_cfg, write_split
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from conftest import compose_cfg, write_split
 from pipeline.config import PipelineError
 from pipeline.run import Job, run
 
@@ -30,8 +31,14 @@ def cli_env(data_root: Path | str) -> dict[str, str]:
 
 
 def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=cli_env(data_root),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        env=cli_env(data_root),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, Path]:
@@ -45,16 +52,18 @@ def test_startup_clock_starts_when_python_imports_the_pipeline_not_when_its_proc
     """A script's ``setup && python -m pipeline`` may exec python in the shell's own process, started
     before the setup: startup_s must not count the setup."""
     script = "import time, pipeline; print(time.time() - pipeline.STARTED_AT)"
-    since = subprocess.run(["sh", "-c", 'sleep 2 && exec "$0" -c "$1"', sys.executable, script],
-                           capture_output=True, text=True, check=True).stdout
+    since = subprocess.run(
+        ["sh", "-c", 'sleep 2 && exec "$0" -c "$1"', sys.executable, script], capture_output=True, text=True, check=True
+    ).stdout
     assert 0.0 <= float(since) < 1.5
 
 
 @pytest.mark.slow
 def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     started = time.monotonic()
-    result = run_cli(["+experiment=smoke", "train.epochs=2", "source.limit=null", "hydra.run.dir=run"],
-                     tmp_path, data_root)
+    result = run_cli(
+        ["+experiment=smoke", "train.epochs=2", "source.limit=null", "hydra.run.dir=run"], tmp_path, data_root
+    )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -85,8 +94,9 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
     config = OmegaConf.load(client.download_artifacts(run_info.info.run_id, "config.yaml", str(tmp_path)))
     assert config.model.num_layers == 2 and config.train.epochs == 2
-    logged = torch.load(client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)),
-                        weights_only=True)
+    logged = torch.load(
+        client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
+    )
 
     storage = tmp_path / "run" / "checkpoints" / run_info.info.run_id  # each run's own, by its MLflow id
     assert run_info.data.tags["pipeline.storage"] == str(storage)
@@ -166,8 +176,11 @@ def data_with_a_bad_jpeg(root: Path) -> Path:
 @pytest.mark.slow
 def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data")))
-    with pytest.raises(PipelineError, match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 5 of "
-                                            r".*/cifar10/test/part-00000.parquet holds bytes that are not a valid JPEG"):
+    with pytest.raises(
+        PipelineError,
+        match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 5 of "
+        r".*/cifar10/test/part-00000.parquet holds bytes that are not a valid JPEG",
+    ):
         in_process(tmp_path, "broken", ["source.limit=null"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
@@ -177,8 +190,9 @@ def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatc
 @pytest.mark.slow
 def test_skipped_rows_are_counted_in_mlflow(tmp_path, ray_runtime, monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data")))
-    metrics, _ = in_process(tmp_path, "skipping", ["source.limit=null", "scaling.num_workers=1",
-                                                   "transforms.valid.decode.fn.on_error=skip"])
+    metrics, _ = in_process(
+        tmp_path, "skipping", ["source.limit=null", "scaling.num_workers=1", "transforms.valid.decode.fn.on_error=skip"]
+    )
     assert metrics["val_rows"] == 31 and metrics["train_rows"] == 64
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run_info,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
@@ -193,7 +207,9 @@ def no_runs_logged(tmp_path: Path) -> bool:
         return True
     client = MlflowClient(f"sqlite:///{store}")
     experiments = client.search_experiments()
-    return [e.name for e in experiments] == ["Default"] and not client.search_runs([e.experiment_id for e in experiments])
+    return [e.name for e in experiments] == ["Default"] and not client.search_runs(
+        [e.experiment_id for e in experiments]
+    )
 
 
 @pytest.mark.parametrize(

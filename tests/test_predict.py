@@ -1,19 +1,20 @@
 """The predict stage's parts: which run it takes, how weights load, where predictions may go, and
 the replica's output against the model's own (end to end: test_pipeline.py, test_cluster.py)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import ray
 import torch
+from conftest import compose_cfg
 from hydra.utils import instantiate
 from mlflow import MlflowClient
+from test_pipeline import run_cli
 
-from conftest import compose_cfg
 from pipeline import tracking, train
 from pipeline.config import PipelineError
 from pipeline.predict import Predictor, check_output, load_weights, trained_run
-from test_pipeline import run_cli
 
 
 @pytest.fixture
@@ -25,8 +26,12 @@ def store(tmp_path):
 def test_the_model_run_is_named_by_id_or_name_or_is_the_newest_finished_training_run(store):
     client, experiment = store
     ids = {}
-    for name, status, trained in [("old", "FINISHED", True), ("new", "FINISHED", True), ("died", "FAILED", True),
-                                  ("sweep parent", "FINISHED", False)]:
+    for name, status, trained in [
+        ("old", "FINISHED", True),
+        ("new", "FINISHED", True),
+        ("died", "FAILED", True),
+        ("sweep parent", "FINISHED", False),
+    ]:
         tags = {tracking.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
         ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
         client.set_terminated(ids[name], status)
@@ -73,8 +78,15 @@ def test_a_replica_predicts_what_the_model_does_on_normalized_pixels(ray_runtime
     torch.manual_seed(0)
     model = instantiate(cfg["model"], _convert_="all").eval()
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
-    predictor = Predictor(cfg["model"], [ray.put(model.state_dict())], cfg["ingest"]["normalize"], "image", "label",
-                          use_gpu=False, train_cfg=cfg["train"])
+    predictor = Predictor(
+        cfg["model"],
+        [ray.put(model.state_dict())],
+        cfg["ingest"]["normalize"],
+        "image",
+        "label",
+        use_gpu=False,
+        train_cfg=cfg["train"],
+    )
     out = predictor({"image": pixels, "label": np.arange(8), "path": np.array(["f.parquet"] * 8)})
     with torch.no_grad():
         logits = model(torch.as_tensor(pixels).float() / 255 * 2 - 1)  # mean 0.5, std 0.5

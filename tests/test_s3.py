@@ -3,6 +3,7 @@
 One server accepts any credentials and holds the generated data; a second checks credentials and
 IAM policies, for the access-denied and credential-chain cases.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,13 +17,13 @@ import boto3
 import pyarrow.fs as pafs
 import pytest
 import torch
-from mlflow import MlflowClient
-
 from conftest import AWS_SECRET, compose_cfg, free_port, wait_for_port
+from mlflow import MlflowClient
+from test_pipeline import in_process, run_cli
+
 from pipeline.config import PipelineError
 from pipeline.source import prepare
 from pipeline.train import check_storage
-from test_pipeline import in_process, run_cli
 
 DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
 
@@ -46,8 +47,16 @@ def s3_endpoint(data_root):
 
 
 def s3_source(endpoint: str, root: str, *overrides: str) -> dict:
-    return compose_cfg(["source=s3", f"source.root={root}", f"source.s3.endpoint_url={endpoint}",
-                        "source.s3.anonymous=false", "source.s3.region=us-east-1", *overrides])["source"]
+    return compose_cfg(
+        [
+            "source=s3",
+            f"source.root={root}",
+            f"source.s3.endpoint_url={endpoint}",
+            "source.s3.anonymous=false",
+            "source.s3.region=us-east-1",
+            *overrides,
+        ]
+    )["source"]
 
 
 def files_containing(root: Path, needle: bytes) -> list[str]:
@@ -64,14 +73,34 @@ def files_containing(root: Path, needle: bytes) -> list[str]:
 
 @pytest.mark.slow
 def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_they_belong(
-        tmp_path, data_root, s3_endpoint, ray_runtime, monkeypatch):
+    tmp_path, data_root, s3_endpoint, ray_runtime, monkeypatch
+):
     # One worker, no random augmentation and file order: both runs see identical batches (random crops
     # and flips are not seeded yet, so with them no two runs match, local or not).
-    common = ["+experiment=smoke", "source.limit=null", "ingest.batch_size=64", "scaling.num_workers=1",
-              "transforms.train.crop=null", "transforms.train.flip=null", "ingest.preserve_order=true"]
-    remote = run_cli([*common, "source=s3", "source.root=s3://data/cifar10", f"source.s3.endpoint_url={s3_endpoint}",
-                      "source.s3.anonymous=false", "source.s3.region=us-east-1", "storage.path=s3://runs/checkpoints",
-                      f"storage.s3.endpoint_url={s3_endpoint}", "hydra.run.dir=run"], tmp_path, data_root)
+    common = [
+        "+experiment=smoke",
+        "source.limit=null",
+        "ingest.batch_size=64",
+        "scaling.num_workers=1",
+        "transforms.train.crop=null",
+        "transforms.train.flip=null",
+        "ingest.preserve_order=true",
+    ]
+    remote = run_cli(
+        [
+            *common,
+            "source=s3",
+            "source.root=s3://data/cifar10",
+            f"source.s3.endpoint_url={s3_endpoint}",
+            "source.s3.anonymous=false",
+            "source.s3.region=us-east-1",
+            "storage.path=s3://runs/checkpoints",
+            f"storage.s3.endpoint_url={s3_endpoint}",
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+        data_root,
+    )
     output = remote.stdout + remote.stderr
     assert remote.returncode == 0, output
     ray_logs = Path("/tmp/ray/session_latest/logs").resolve()  # the CLI run's Ray session, the newest
@@ -85,13 +114,17 @@ def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_th
 
     # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
     fs = pafs.S3FileSystem(endpoint_override=s3_endpoint)
-    saved = [f.path for f in fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True))
-             if f.path.endswith("/checkpoint.pt")]
+    saved = [
+        f.path
+        for f in fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True))
+        if f.path.endswith("/checkpoint.pt")
+    ]
     assert len(saved) == 1
     with fs.open_input_file(saved[0]) as stream:
         checkpoint = torch.load(stream, weights_only=True)
-    logged = torch.load(client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)),
-                        weights_only=True)
+    logged = torch.load(
+        client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
+    )
     assert checkpoint["epoch"] == 0 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing fell back to local storage
 
@@ -114,11 +147,18 @@ def test_s3_source_counts_rows_like_the_local_one(data_root, s3_endpoint):
     assert splits["train"].files == ["data/" + f for f in DATA_FILES[:2]]
 
 
-@pytest.mark.parametrize(("root", "overrides", "message"), [
-    ("s3://nobucket/cifar10", [], r"source.train: the bucket 'nobucket' of s3://nobucket/cifar10/train does not exist"),
-    ("s3://data/empty", [], r"source.train: no parquet files under s3://data/empty/train"),
-    ("s3://key:hunter2@data/cifar10", [], r"source.train: the s3:// URI carries credentials"),
-])
+@pytest.mark.parametrize(
+    ("root", "overrides", "message"),
+    [
+        (
+            "s3://nobucket/cifar10",
+            [],
+            r"source.train: the bucket 'nobucket' of s3://nobucket/cifar10/train does not exist",
+        ),
+        ("s3://data/empty", [], r"source.train: no parquet files under s3://data/empty/train"),
+        ("s3://key:hunter2@data/cifar10", [], r"source.train: the s3:// URI carries credentials"),
+    ],
+)
 def test_s3_source_errors_name_the_key_and_uri(s3_endpoint, root, overrides, message):
     with pytest.raises(PipelineError, match=message) as caught:
         prepare(s3_source(s3_endpoint, root, *overrides))
@@ -136,10 +176,20 @@ def test_unreachable_endpoint_fails_within_its_timeouts(server):
         listener.listen(8)
     endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
     started = time.monotonic()
-    with pytest.raises(PipelineError, match=r"source.train: cannot read s3://data/cifar10/train: "
-                                            r"(cannot connect to the endpoint|the endpoint did not answer in time)"):
-        prepare(s3_source(endpoint, "s3://data/cifar10", "source.s3.connect_timeout_s=1",
-                          "source.s3.request_timeout_s=1", "source.s3.max_attempts=2"))
+    with pytest.raises(
+        PipelineError,
+        match=r"source.train: cannot read s3://data/cifar10/train: "
+        r"(cannot connect to the endpoint|the endpoint did not answer in time)",
+    ):
+        prepare(
+            s3_source(
+                endpoint,
+                "s3://data/cifar10",
+                "source.s3.connect_timeout_s=1",
+                "source.s3.request_timeout_s=1",
+                "source.s3.max_attempts=2",
+            )
+        )
     assert time.monotonic() - started < 60  # a hang guard: 2 attempts of 1 s each, plus back-off
     listener.close()
 
@@ -157,9 +207,12 @@ def s3_with_auth(data_root, tmp_path_factory):
     Its first requests (the setup below, counted in INITIAL_NO_AUTH_ACTION_COUNT) run unchecked."""
     port = free_port()
     setup_requests = 1 + len(DATA_FILES) + 2 + 2 + 1
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(setup_requests)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(setup_requests)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_port(port)
     endpoint = f"http://127.0.0.1:{port}"
     s3, iam = (boto3.client(name, endpoint_url=endpoint) for name in ("s3", "iam"))
@@ -170,9 +223,13 @@ def s3_with_auth(data_root, tmp_path_factory):
     for user in ("reader", "nobody"):
         iam.create_user(UserName=user)
         keys[user] = iam.create_access_key(UserName=user)["AccessKey"]
-    iam.put_user_policy(UserName="reader", PolicyName="read-data", PolicyDocument="""{"Version": "2012-10-17",
+    iam.put_user_policy(
+        UserName="reader",
+        PolicyName="read-data",
+        PolicyDocument="""{"Version": "2012-10-17",
         "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
-                       "Resource": ["arn:aws:s3:::data", "arn:aws:s3:::data/*"]}]}""")
+                       "Resource": ["arn:aws:s3:::data", "arn:aws:s3:::data/*"]}]}""",
+    )
     yield endpoint, keys
     server.terminate()
     server.wait(timeout=30)
@@ -191,8 +248,10 @@ def test_credentials_come_from_the_environment(s3_with_auth, monkeypatch):
 
 def test_credentials_come_from_an_aws_profile(s3_with_auth, monkeypatch, tmp_path):
     endpoint, keys = s3_with_auth
-    (tmp_path / "credentials").write_text(f"[pipeline]\naws_access_key_id = {keys['reader']['AccessKeyId']}\n"
-                                          f"aws_secret_access_key = {keys['reader']['SecretAccessKey']}\n")
+    (tmp_path / "credentials").write_text(
+        f"[pipeline]\naws_access_key_id = {keys['reader']['AccessKeyId']}\n"
+        f"aws_secret_access_key = {keys['reader']['SecretAccessKey']}\n"
+    )
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
@@ -203,14 +262,26 @@ def test_credentials_come_from_an_aws_profile(s3_with_auth, monkeypatch, tmp_pat
 def test_access_denied_is_a_clear_error(s3_with_auth, monkeypatch):
     endpoint, keys = s3_with_auth
     use_keys(monkeypatch, keys["nobody"])
-    with pytest.raises(PipelineError, match=r"source.train: cannot read s3://data/cifar10/train: access denied.*"
-                                            r"AWS_ACCESS_KEY_ID"):
+    with pytest.raises(
+        PipelineError,
+        match=r"source.train: cannot read s3://data/cifar10/train: access denied.*"
+        r"AWS_ACCESS_KEY_ID",
+    ):
         prepare(s3_source(endpoint, "s3://data/cifar10"))
 
 
 def test_cli_exits_with_the_s3_error_and_logs_nothing(tmp_path, data_root):
-    result = run_cli(["+experiment=smoke", "source=s3", "source.root=s3://data/cifar10",
-                      "source.s3.endpoint_url=http://127.0.0.1:9", "source.s3.max_attempts=1"], tmp_path, data_root)
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            "source=s3",
+            "source.root=s3://data/cifar10",
+            "source.s3.endpoint_url=http://127.0.0.1:9",
+            "source.s3.max_attempts=1",
+        ],
+        tmp_path,
+        data_root,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert "source.train: cannot read s3://data/cifar10/train: cannot connect to the endpoint" in output

@@ -1,10 +1,11 @@
 """The source stage's driver-side checks: they must fail fast and name the path, file or column."""
+
 from __future__ import annotations
 
 import pyarrow.fs as pafs
 import pytest
-
 from conftest import compose_cfg, write_split
+
 from pipeline.config import PipelineError
 from pipeline.source import check_split, parquet_files, prepare
 

@@ -1,27 +1,36 @@
 """Hydra multirun sweeps end to end: one process, one Ray runtime, a parent MLflow run per sweep,
 failed jobs recorded and summarized; the MLflow UI shows the result in a real browser."""
+
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
-
 from conftest import free_port, wait_for_port
+from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-GRID = ["-m", "+experiment=smoke", "optim.lr=1e-3,3e-4", "train.epochs=1,0", "ingest.batch_size=64",
-        "source.limit=256", "hydra.sweep.dir=sweep"]
+GRID = [
+    "-m",
+    "+experiment=smoke",
+    "optim.lr=1e-3,3e-4",
+    "train.epochs=1,0",
+    "ingest.batch_size=64",
+    "source.limit=256",
+    "hydra.sweep.dir=sweep",
+]
 
 
 def children_of(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
-    return client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'",
-                              order_by=["attributes.start_time ASC"])
+    return client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +48,7 @@ def test_grid_sweep_runs_every_job_on_one_ray_runtime(grid_sweep):
     assert result.returncode == 1, output  # two jobs failed, so the sweep fails at the end
     assert output.count("Ray runtime up") == 1  # the second training job reused the runtime
     assert "4 jobs, 2 failed" in output
-    table = output[output.index("4 jobs, 2 failed"):]
+    table = output[output.index("4 jobs, 2 failed") :]
     assert re.search(r"0\s+FINISHED\s+[\d.]+\s+\+experiment=smoke optim.lr=0.001 train.epochs=1", table)
     assert re.search(r"1\s+FAILED\s+nan\s+.*train.epochs=0", table)
     assert "train.epochs must be >= 1, got 0" in table
@@ -71,7 +80,9 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", child.data.tags["mlflow.source.git.commit"])
     finished = [c for c in children if c.info.status == "FINISHED"]
     for child in finished:
-        assert {"learning_curve.png", "config.yaml", "model"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+        assert {"learning_curve.png", "config.yaml", "model"} <= {
+            a.path for a in client.list_artifacts(child.info.run_id)
+        }
     # each job's start-up counts from its own start (job 0: the command's), not from the process's
     assert finished[1].data.metrics["startup_s"] < finished[0].data.metrics["startup_s"]  # Ray was up already
     best = max(finished, key=lambda c: c.data.metrics["val_accuracy"])
@@ -81,8 +92,18 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
 
 @pytest.mark.slow
 def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
-    result = run_cli(["+experiment=smoke", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
-                      "ingest.batch_size=64", "source.limit=256", "hydra.sweep.dir=sweep"], tmp_path, data_root)
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2",
+            "ingest.batch_size=64",
+            "source.limit=256",
+            "hydra.sweep.dir=sweep",
+        ],
+        tmp_path,
+        data_root,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert output.count("Ray runtime up") == 1
@@ -105,9 +126,24 @@ def mlflow_ui(grid_sweep):
     workdir, _ = grid_sweep
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}", "--workers", "1"],
-        cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}",
+            "--workers",
+            "1",
+        ],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for_port(port)
     yield workdir, f"http://127.0.0.1:{port}"
     server.terminate()
@@ -115,8 +151,10 @@ def mlflow_ui(grid_sweep):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
-                    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+@pytest.mark.skipif(
+    not (shutil.which("chromium") and shutil.which("chromedriver")),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
 def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -131,9 +169,18 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}", "--window-size=1400,900"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+        "--window-size=1400,900",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
     try:
@@ -145,8 +192,12 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
 
         driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}")
         accuracy = f"{child.data.metrics['val_accuracy']:.4g}"[:4]
-        wait.until(lambda d: child.info.run_name in d.find_element("tag name", "body").text
-                   and "val_accuracy" in d.find_element("tag name", "body").text)
+        wait.until(
+            lambda d: (
+                child.info.run_name in d.find_element("tag name", "body").text
+                and "val_accuracy" in d.find_element("tag name", "body").text
+            )
+        )
         body = driver.find_element("tag name", "body").text
         driver.save_screenshot(str(tmp_path / "run.png"))
     finally:

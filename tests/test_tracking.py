@@ -1,20 +1,26 @@
 """The tracking stage against a real MLflow store: what it writes, and what it must never write."""
+
 from __future__ import annotations
 
+from conftest import compose_cfg
 from mlflow import MlflowClient
 
-from conftest import compose_cfg
 from pipeline import tracking
 
 
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     """Passwords in URIs, and the env_vars a cluster's workers get (where credentials go)."""
-    cfg = compose_cfg(["tracking.uri=https://alice:tok-3141@mlflow.example.com",
-                       "+ray.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY=sec-2718"])
+    cfg = compose_cfg(
+        [
+            "tracking.uri=https://alice:tok-3141@mlflow.example.com",
+            "+ray.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY=sec-2718",
+        ]
+    )
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    run_id = tracking.start_run(client, experiment, None, None,
-                                ["tracking.uri=https://alice:tok-3141@mlflow.example.com"], str(tmp_path))
+    run_id = tracking.start_run(
+        client, experiment, None, None, ["tracking.uri=https://alice:tok-3141@mlflow.example.com"], str(tmp_path)
+    )
     tracking.log_config(client, run_id, cfg)
     run = client.get_run(run_id)
     assert run.data.params["tracking.uri"] == "https://alice:***@mlflow.example.com"
@@ -24,8 +30,9 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     assert logged["tracking"]["uri"] == "https://alice:***@mlflow.example.com"
     assert logged["ray"]["runtime_env"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "***"}
     assert logged["model"] == cfg["model"]  # what the predict stage rebuilds the model from
-    stored = (tmp_path / "mlflow.db").read_bytes() + (tmp_path / "artifacts").joinpath(run_id, "artifacts",
-                                                                                          "config.yaml").read_bytes()
+    stored = (tmp_path / "mlflow.db").read_bytes() + (tmp_path / "artifacts").joinpath(
+        run_id, "artifacts", "config.yaml"
+    ).read_bytes()
     assert b"tok-3141" not in stored and b"sec-2718" not in stored
 
 

@@ -1,4 +1,5 @@
 """The training worker's helpers that need no Ray runtime."""
+
 from __future__ import annotations
 
 import threading

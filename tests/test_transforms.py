@@ -1,12 +1,13 @@
 """Each transform on hand-made batches, then the chain as Ray Data runs it (tasks and actors)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import compose_cfg, jpeg, write_split
 from PIL import Image
 
-from conftest import compose_cfg, jpeg, write_split
 from transforms import decode_jpeg, random_crop, random_flip
 
 
@@ -45,8 +46,11 @@ def file_with_a_bad_row(tmp_path) -> dict:
 
 
 def test_a_bad_row_is_named_by_file_and_row(tmp_path):
-    with pytest.raises(ValueError, match=r"'image' row 2 of .*part-00007.parquet holds bytes that are not a valid "
-                                         r"JPEG.*on_error: skip"):
+    with pytest.raises(
+        ValueError,
+        match=r"'image' row 2 of .*part-00007.parquet holds bytes that are not a valid "
+        r"JPEG.*on_error: skip",
+    ):
         decode_jpeg(file_with_a_bad_row(tmp_path))
 
 
@@ -68,7 +72,9 @@ def test_random_crop_cuts_a_window_of_the_padded_image():
     assert out.shape == batch.shape
     padded = np.pad(batch, ((0, 0), (0, 0), (4, 4), (4, 4)))
     for original, cropped in zip(padded, out):
-        windows = [(t, l) for t in range(9) for l in range(9) if np.array_equal(original[:, t:t + 32, l:l + 32], cropped)]
+        windows = [
+            (t, x) for t in range(9) for x in range(9) if np.array_equal(original[:, t : t + 32, x : x + 32], cropped)
+        ]
         assert windows, "crop is not a window of the padded image"
     assert not all(np.array_equal(a, b) for a, b in zip(batch, out)), "16 crops all at the centre"
 
@@ -102,13 +108,16 @@ def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(r
 
     def flipped_rows(ds) -> list[int]:
         out = np.concatenate([b["image"] for b in ds.iter_batches(batch_size=None)])
-        order = [next(i for i, p in enumerate(pixels) if np.array_equal(p, o) or np.array_equal(p[..., ::-1], o))
-                 for o in out]
+        order = [
+            next(i for i, p in enumerate(pixels) if np.array_equal(p, o) or np.array_equal(p[..., ::-1], o))
+            for o in out
+        ]
         return sorted(i for i, o in zip(order, out) if not np.array_equal(pixels[i], o))
 
     def dataset():
         return ray.data.from_items([{"image": p} for p in pixels], override_num_blocks=4).map_batches(
-            random_flip, fn_kwargs={"seed": 3}, batch_format="numpy", batch_size=16)
+            random_flip, fn_kwargs={"seed": 3}, batch_format="numpy", batch_size=16
+        )
 
     first = dataset()
     epochs = [flipped_rows(first) for _ in range(3)]
@@ -120,8 +129,10 @@ def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(r
     assert flipped_rows(resumed) == epochs[1]
 
 
-@pytest.mark.parametrize("mean, std, expected", [((0.5,) * 3, (0.5,) * 3, [[-1.0, 1.0]] * 3),
-                                                  ((0.0, 0.5, 1.0), (1.0, 1.0, 2.0), [[0, 1], [-0.5, 0.5], [-0.5, 0]])])
+@pytest.mark.parametrize(
+    "mean, std, expected",
+    [((0.5,) * 3, (0.5,) * 3, [[-1.0, 1.0]] * 3), ((0.0, 0.5, 1.0), (1.0, 1.0, 2.0), [[0, 1], [-0.5, 0.5], [-0.5, 0]])],
+)
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
@@ -129,14 +140,27 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
-    cfg = compose_cfg(["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"])
+    cfg = compose_cfg(
+        ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
+    )
     out = list(batches(ds, cfg, torch.device("cpu"), 1, None, training=False))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     images = torch.cat([b["image"] for b in out])
     assert images.dtype == torch.float32
     torch.testing.assert_close(images[:, :, 0], torch.tensor([expected] * 5, dtype=torch.float32))
-    raw = torch.cat([b["image"] for b in batches(ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}},
-                                                 torch.device("cpu"), 1, None, training=False)])
+    raw = torch.cat(
+        [
+            b["image"]
+            for b in batches(
+                ds,
+                {**cfg, "ingest": {**cfg["ingest"], "normalize": None}},
+                torch.device("cpu"),
+                1,
+                None,
+                training=False,
+            )
+        ]
+    )
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))
 
 

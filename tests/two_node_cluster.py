@@ -4,6 +4,7 @@ The head is the "CPU node" (resource ``cpu_node``, label ``node-type=cpu``); the
 stands in for a GPU node (resource ``gpu_node``, label ``node-type=gpu``). Prints one JSON line
 (GCS address, dashboard URL, node ids), then serves until its stdin closes or SIGTERM, and shuts down.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,21 +14,38 @@ import sys
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every raylet on loopback
 
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
 
 def main(dashboard_port: int) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"cpu_node": 4}, "labels": {"node-type": "cpu"},
-        "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port,
-        "object_store_memory": 300 * 2**20,
-    })
-    gpu = cluster.add_node(num_cpus=2, resources={"gpu_node": 2}, labels={"node-type": "gpu"},
-                           object_store_memory=300 * 2**20)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"cpu_node": 4},
+            "labels": {"node-type": "cpu"},
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard_port,
+            "object_store_memory": 300 * 2**20,
+        },
+    )
+    gpu = cluster.add_node(
+        num_cpus=2, resources={"gpu_node": 2}, labels={"node-type": "gpu"}, object_store_memory=300 * 2**20
+    )
     cluster.wait_for_nodes()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # killed, still shut the cluster down
-    print(json.dumps({"address": cluster.address, "dashboard": f"http://127.0.0.1:{dashboard_port}",
-                      "cpu_node": cluster.head_node.node_id, "gpu_node": gpu.node_id}), flush=True)
+    print(
+        json.dumps(
+            {
+                "address": cluster.address,
+                "dashboard": f"http://127.0.0.1:{dashboard_port}",
+                "cpu_node": cluster.head_node.node_id,
+                "gpu_node": gpu.node_id,
+            }
+        ),
+        flush=True,
+    )
     try:
         sys.stdin.read()  # until the test closes it
     finally:

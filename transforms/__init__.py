@@ -4,6 +4,7 @@ Each transform takes a batch (``dict[str, numpy.ndarray]``) plus keyword paramet
 and returns a batch. Add one by writing a function here or in any importable module and naming it
 in a ``conf/transforms/*.yaml`` file; ``pipeline/`` needs no change.
 """
+
 from transforms.image import decode_jpeg, random_crop, random_flip
 
 __all__ = ["decode_jpeg", "random_crop", "random_flip"]

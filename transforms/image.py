@@ -2,6 +2,7 @@
 
 Pixels stay uint8 through Ray Data (a quarter of float32's bytes to move); the training worker
 scales them on its device (``ingest.normalize``)."""
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,10 @@ def decode_jpeg(batch: Batch, column: str = "image", on_error: str = "raise", pa
         except ValueError as err:
             where = _row_in_file(batch[path_column][i], column, data) if path_column in batch else ""
             if on_error == "raise":
-                raise ValueError(f"decode_jpeg: column {column!r}{where} holds bytes that are not a valid JPEG "
-                                 f"({err}); fix the row, or skip such rows with on_error: skip.") from err
+                raise ValueError(
+                    f"decode_jpeg: column {column!r}{where} holds bytes that are not a valid JPEG "
+                    f"({err}); fix the row, or skip such rows with on_error: skip."
+                ) from err
             keep[i] = False
             log.warning("decode_jpeg: skipped an undecodable row%s", where)
     if not keep.all():
@@ -86,7 +89,9 @@ def row_uniform(images: np.ndarray, seed: int | None, salt: int, draws: int) -> 
     return (_mix(counters ^ base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def random_crop(batch: Batch, column: str = "image", size: int = 32, padding: int = 4, seed: int | None = None) -> Batch:
+def random_crop(
+    batch: Batch, column: str = "image", size: int = 32, padding: int = 4, seed: int | None = None
+) -> Batch:
     """Zero-pad each (N, C, H, W) image by ``padding`` and cut a random ``size`` x ``size`` window
     (reproducible per row and epoch with ``seed``; see :func:`row_uniform`)."""
     images = batch[column]
