@@ -38,14 +38,14 @@ def consume(config: dict) -> None:
     """A Ray Train worker that takes every batch of its shard, as training would, but runs no model."""
     import ray.train.torch
 
-    from pipeline.train import batches
+    from pipeline.worker import train_batches
 
     cfg, rates = config["cfg"], []
     label = cfg["source"]["label_column"]
-    shard, device = ray.train.get_dataset_shard("train"), ray.train.torch.get_device()
+    device = ray.train.torch.get_device()
     for epoch in range(EPOCHS):
         start, rows, first = time.perf_counter(), 0, None
-        for batch in batches(shard, cfg, device, 1, cfg["train"]["seed"] + epoch, training=True):
+        for batch in train_batches(cfg, epoch, config["epoch_counter"], device, 1):
             rows += len(batch[label])
             first = first or time.perf_counter() - start
         rates.append({"rows": rows, "seconds": time.perf_counter() - start, "first_batch_s": first})
@@ -57,23 +57,23 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipeline import source, train
+    from pipeline import preprocess, source, trainer
     from pipeline.cluster import connect
     from pipeline.config import compose
-    from pipeline.run import build_datasets
 
     cfg = compose([*PIPELINE, *overrides])
     split = source.prepare(cfg["source"])["train"]
     connect(cfg["ray"])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "epochs.json"
-        scaling_config, _ = train.trainer_settings(cfg["scaling"])
+        scaling_config, _ = trainer.trainer_settings(cfg["scaling"])
+        data = preprocess.training_data(cfg, {"train": split})
         TorchTrainer(
             consume,
-            train_loop_config={"cfg": cfg, "out": str(out)},
+            train_loop_config={"cfg": cfg, "out": str(out), "epoch_counter": data.epoch_counter},
             scaling_config=scaling_config,
-            datasets=build_datasets(cfg, {"train": split}),
-            dataset_config=train.data_config(cfg),
+            datasets=data.datasets,
+            dataset_config=trainer.data_config(cfg),
             run_config=ray.train.RunConfig(storage_path=tmp, name="ingest"),
         ).fit()
         epochs = json.loads(out.read_text())

@@ -7,7 +7,6 @@ is logged and recorded, the sweep goes on, and :class:`pipeline.sweep.SweepSumma
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -18,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import pipeline
-from pipeline import predict, train
+from pipeline import predict, trainer
 from pipeline.config import PipelineError, register
 from pipeline.run import Job, run
 
@@ -30,24 +29,20 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
     """Where this job sits, from Hydra's runtime config (plain values for ``run``)."""
     overrides = list(hydra_cfg.overrides.task)
     experiment = hydra_cfg.runtime.choices.get("experiment") or "default"
-    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    shown = " ".join(o for o in overrides if o != f"+experiment={experiment}")
-    return Job(
-        run_dir=hydra_cfg.runtime.output_dir,
-        experiment=experiment,
-        overrides=overrides,
-        sweep_dir=os.path.abspath(hydra_cfg.sweep.dir) if sweeping else None,
-        run_name=f"job {hydra_cfg.job.num}: {shown}".strip() if sweeping else None,
-        started_at=time.time() if sweeping and hydra_cfg.job.num > 0 else pipeline.STARTED_AT,
-    )
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
+    job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)
+    job.run_dir = hydra_cfg.runtime.output_dir  # hydra.sweep.subdir may name it otherwise
+    job.started_at = time.time() if hydra_cfg.job.num > 0 else pipeline.STARTED_AT
+    return job
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
-    signal.signal(signal.SIGINT, lambda signum, frame: train.request_stop(KeyboardInterrupt()))
-    signal.signal(signal.SIGTERM, lambda signum, frame: train.request_stop(SystemExit(128 + signum)))
+    signal.signal(signal.SIGINT, lambda signum, frame: trainer.request_stop(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop(SystemExit(128 + signum)))
     stage = predict.run if cfg.stage == "predict" else run
     try:
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)

@@ -11,16 +11,19 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import uuid
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pipeline import trainer
 from pipeline.config import PipelineError
 from pipeline.filesystems import is_s3
 
 log = logging.getLogger(__name__)
 NODE_CHECK_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
@@ -55,16 +58,21 @@ def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None
     per process: a sweep's jobs share it. Worker and Ray Data logs stay in Ray's session log files."""
     if ray.is_initialized():
         return
-    if address is None:  # nothing preempts a local runtime; the watcher costs a process start (~5 s)
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    ray.init(
-        address=address or "local",
-        num_cpus=num_cpus if address is None else None,
-        runtime_env=env or None,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-        include_dashboard=False if address is None else None,
-    )
+    if address is None:
+        trainer.local_runtime_settings()
+    else:
+        check_reachable(address)
+    try:
+        ray.init(
+            address=address or "local",
+            num_cpus=num_cpus if address is None else None,
+            runtime_env=env or None,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            include_dashboard=False if address is None else None,
+        )
+    except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
+        raise unreachable(address, err) from err
     resources = ray.cluster_resources()
     log.info(
         "Ray runtime up (%s): %d node(s), %g CPU, %g GPU",
@@ -72,6 +80,26 @@ def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None
         len(alive_nodes()),
         resources.get("CPU", 0),
         resources.get("GPU", 0),
+    )
+
+
+def check_reachable(address: str) -> None:
+    """Fail within seconds when nothing listens at ``HOST:PORT`` (or ``ray://HOST:PORT``): Ray itself
+    retries an unreachable address for a long time before it gives up."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise unreachable(address, err) from err
+
+
+def unreachable(address: str, err: Exception) -> PipelineError:
+    return PipelineError(
+        f"ray.address: cannot reach a Ray cluster at {address!r} ({err}). Check the address (ray.address, or "
+        "the RAY_ADDRESS variable) and that the cluster is up (`ray status` on its head node), or leave "
+        "ray.address unset (null) to start a local runtime."
     )
 
 

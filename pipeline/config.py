@@ -1,8 +1,10 @@
 """Config schema and checks: the typed shape of ``conf/`` and every check that runs before Ray starts.
 
 The dataclasses are registered as Hydra's ``schema`` config, so a wrong type or an unknown key fails
-at composition. Pluggable parts (``_target_`` nodes) are free-form there; :func:`validate` imports
-each target and binds its keyword arguments, so a misspelt argument fails here too, not on a worker.
+at composition. They are the one place every default is set, with its comment; ``conf/`` holds only
+what a choice (a source, a model, GPU scaling, an experiment) changes. Pluggable parts (``_target_``
+nodes) are free-form there; :func:`validate` imports each target and binds its keyword arguments, so
+a misspelt argument fails here too, not on a worker.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class SourceConfig:
     label_column: str = "label"
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
-    reader_v2: bool = False  # Ray Data's V2 parquet reader (footer-reader actors; slower to start)
+    reader_v2: bool = False  # Ray Data's V2 parquet reader (starts footer-reader actors: slower to start)
     task_per_file: bool = True  # one read task per file, which also runs the transforms (see TransformSpec)
     s3: S3Config = field(default_factory=S3Config)  # used when a split is an s3:// URI
 
@@ -118,7 +120,9 @@ class IngestConfig:
     local_shuffle_buffer_size: Optional[int] = None  # rows; null: no per-worker shuffle
     drop_last: bool = False
     preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost
-    normalize: Optional[NormalizeConfig] = None  # uint8 features -> float (x/255 - mean) / std on the worker
+    # uint8 pixels travel as they are (a quarter of float32's bytes) and become (x/255 - mean) / std on the
+    # training device; null: features reach the model as they are
+    normalize: Optional[NormalizeConfig] = field(default_factory=NormalizeConfig)
 
 
 @dataclass
@@ -189,8 +193,13 @@ def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
 
 
 def register() -> None:
-    """Make the schema available to ``conf/config.yaml`` as its first default."""
-    ConfigStore.instance().store(name="schema", node=PipelineConfig)
+    """Make the schema available to ``conf/config.yaml`` as its first default, and the pipeline's sweeper
+    and launcher (pipeline/plugins/hydra_plugins/pipeline_launcher.py) as ``hydra/{sweeper,launcher}=pipeline``."""
+    store, plugins = ConfigStore.instance(), "hydra_plugins.pipeline_launcher"
+    store.store(name="schema", node=PipelineConfig)
+    store.store(group="hydra/launcher", name="pipeline", node={"_target_": f"{plugins}.PipelineLauncher"})
+    sweeper = {"_target_": f"{plugins}.PipelineSweeper", "max_batch_size": None, "params": None}
+    store.store(group="hydra/sweeper", name="pipeline", node=sweeper)
 
 
 def compose(overrides: list[str] = ()) -> dict:
@@ -240,6 +249,20 @@ def check_target(
         raise PipelineError(
             f"{key}: {node['_target_']} does not accept these arguments ({err}). It takes: {params}."
         ) from err
+    for name, value in kwargs.items():  # a parameter typed Literal[...] takes only those values
+        allowed = _literal_values(target, name)
+        if allowed and value not in allowed:
+            choices = ", ".join(map(repr, allowed))
+            raise PipelineError(f"{key}.{name} must be one of {choices}, got {value!r} ({node['_target_']}).")
+
+
+def _literal_values(target: Any, name: str) -> tuple:
+    """The values a ``Literal[...]`` annotation of ``target``'s parameter ``name`` allows, else ()."""
+    try:
+        hint = typing.get_type_hints(target).get(name)
+    except Exception:  # annotations that do not resolve: nothing to check
+        return ()
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
 
 
 def _require(ok: bool, message: str) -> None:
@@ -280,24 +303,24 @@ def validate(cfg: dict) -> None:
 
 
 def check_targets(cfg: dict) -> None:
-    """Import the model's, optimizer's, scheduler's and transforms' ``_target_`` and check their
-    arguments bind (``source.download`` is checked where it runs, :func:`pipeline.source.prepare`).
-    The imports are what costs here (the model's, torchvision, about 1.5 s), so a run does this
-    while Ray starts."""
+    """Import the model's, optimizer's and scheduler's ``_target_`` and check their arguments bind
+    (transforms are checked with the values, ``source.download`` where it runs). The imports are
+    what costs here (the model's: torchvision), so a run does this while Ray starts."""
     check_target(cfg["model"], "model")
     check_target(cfg["optim"], "optim", runtime_args=("params",))
     if cfg["scheduler"] is not None:
         check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
-    for split in ("train", "valid"):
-        for name, spec in active_steps(cfg["transforms"][split]).items():
-            check_target(spec["fn"], f"transforms.{split}.{name}.fn", runtime_args=("batch",), class_runtime_args=())
 
 
 def check_values(cfg: dict) -> None:
-    """Unknown keys and values out of range: everything but the ``_target_`` imports."""
+    """Unknown keys, values out of range and the transforms' ``_target_`` (cheap to import, and a
+    bad argument there, such as ``on_error``, should fail before Ray starts): everything but the
+    model's, optimizer's and scheduler's imports."""
     check_keys(cfg, PipelineConfig)
     for split in ("train", "valid"):
         for name, spec in active_steps(cfg["transforms"][split]).items():
+            key = f"transforms.{split}.{name}.fn"
+            check_target(spec["fn"], key, runtime_args=("batch",), class_runtime_args=())
             _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
             _require(
                 spec["batch_size"] is None or spec["batch_size"] > 0,

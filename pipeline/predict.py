@@ -22,8 +22,9 @@ import ray.data
 import torch
 from hydra.utils import instantiate
 from mlflow.exceptions import MlflowException
+from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, preprocess, source, tracking, train
+from pipeline import cluster, console, preprocess, source, tracking, trainer, worker
 from pipeline.config import PipelineError, validate
 from pipeline.filesystems import locate
 
@@ -51,8 +52,8 @@ class Predictor:
         model = instantiate(model_cfg, _convert_="all")
         model.load_state_dict(ray.get(weights[0]))  # [ObjectRef]: fetched here, from the object store
         self.model = model.to(self.device).eval()
-        self.autocast, _ = train.autocast_settings(self.device, train_cfg)
-        self.scaling = train.pixel_scaling(normalize, self.device) if normalize else None
+        self.autocast, _ = worker.autocast_settings(self.device, train_cfg)
+        self.scaling = worker.pixel_scaling(normalize, self.device) if normalize else None
         self.feature, self.label = feature, label
 
     @torch.inference_mode()
@@ -89,11 +90,8 @@ def trained_run(client, experiment: str, name_or_id: str | None):
         try:
             return client.get_run(name_or_id)
         except MlflowException:
-            found = client.search_runs(
-                [experiment],
-                filter_string=f"attributes.run_name = '{name_or_id}'",
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
+            found = tracking.runs_where(
+                client, experiment, "run_name", name_or_id, order_by=["attributes.start_time DESC"], max_results=1
             )
             if not found:
                 raise PipelineError(
@@ -129,7 +127,7 @@ def load_weights(client, run, checkpoint: str | None) -> dict:
                     "(its pipeline.storage tag says where its checkpoints are)."
                 ) from err
         else:
-            path = os.path.join(checkpoint, train.CHECKPOINT_FILE) if os.path.isdir(checkpoint) else checkpoint
+            path = os.path.join(checkpoint, worker.CHECKPOINT_FILE) if os.path.isdir(checkpoint) else checkpoint
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, pickle.UnpicklingError) as err:
@@ -214,7 +212,10 @@ def run(cfg: dict, job) -> dict:
         )
         fs, path = locate(output, src["s3"], "predict.output")
         started = time.perf_counter()
-        predictions.write_parquet(path, filesystem=fs)
+        try:
+            predictions.write_parquet(path, filesystem=fs)
+        except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
+            raise PipelineError(f"prediction failed: {trainer.root_cause(err)}") from err
         metrics = score(output, src["s3"], label, time.perf_counter() - started)
         tracking.log_metrics(client, run_id, metrics, step=0)
     log.info(

@@ -1,8 +1,9 @@
-"""Hydra multirun bookkeeping: when a sweep ends, mark its MLflow parent run with the best child,
-print one line per job, and exit non-zero if any job failed.
+"""Hydra multirun bookkeeping (on the driver): a job whose overrides do not compose recorded as a
+FAILED child run (for the launcher in ``pipeline/plugins/hydra_plugins``), and a callback that, when
+the sweep ends, marks its MLflow parent run with the best child, prints one line per job, and exits
+non-zero if any job failed.
 
-Jobs report to MLflow themselves (see ``run.py``); this callback only reads the store back, so it
-works whichever launcher ran the jobs.
+Jobs report to MLflow themselves (see ``run.py``); the callback only reads the store back.
 """
 
 from __future__ import annotations
@@ -13,13 +14,32 @@ import os
 import sys
 from typing import Any
 
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.experimental.callback import Callback
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tracking
+from pipeline import console, tracking
+from pipeline.config import PipelineError
 
 log = logging.getLogger("pipeline")
+
+
+def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: int, err: Exception) -> JobReturn:
+    """A sweep job whose overrides do not compose, as a FAILED child of the sweep's parent run (with the
+    sweep's base config and the error), and as a finished job to Hydra, so the sweep goes on."""
+    from pipeline.run import Job  # the training stage's imports, only when a job has failed
+
+    console.quiet_libraries()
+    error = PipelineError("the overrides do not compose: " + " ".join(str(err.__cause__ or err).split()))
+    log.error("job %d failed: %s", number, error)
+    cfg = OmegaConf.to_container(sweep_config, resolve=False)
+    del cfg["hydra"]
+    cfg = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+    experiment = sweep_config.hydra.runtime.choices.get("experiment") or "default"
+    job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
+    tracking.Tracker.open(cfg, job).end("FAILED", error)
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
 
 
 def better(metric: str) -> int:
@@ -65,7 +85,11 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         metric = config.optimized_metric
         sweep_dir = os.path.abspath(config.hydra.sweep.dir)
-        client, uri = tracking.connect(config.tracking.uri, config.paths.outputs)
+        try:
+            client, uri = tracking.connect(config.tracking.uri, config.paths.outputs)
+        except PipelineError as err:
+            log.error("sweep %s: cannot summarize it: %s", sweep_dir, err)
+            sys.exit(1)
         name = config.tracking.experiment_name or config.hydra.runtime.choices.get("experiment") or "default"
         found = client.get_experiment_by_name(name)
         if found is None:

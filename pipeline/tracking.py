@@ -1,11 +1,13 @@
-"""Tracking stage: one MLflow run per job, written only by the driver.
+"""Tracking stage (runs on the driver): one MLflow run per job, written only from the driver.
 
+:class:`Tracker` owns a training job's run from start (or reopening, to resume) to its end state.
 Everything goes through ``MlflowClient`` with an explicit run id, so no global "active run" state
 leaks between the jobs of a sweep or into worker processes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -15,14 +17,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import requests
 import torch
 import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from pipeline.config import EPOCH_METRICS, PipelineError
 
+log = logging.getLogger(__name__)
+CODE_DIR = str(Path(__file__).resolve().parent)
+
+SERVER_TIMEOUT_S = 5.0
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
 SWEEP_DIR_TAG = "pipeline.sweep_dir"
@@ -51,9 +59,27 @@ def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
     resolved = resolve_uri(uri, outputs)
     if uri is None:
         os.makedirs(outputs, exist_ok=True)
+    if resolved.startswith(("http://", "https://")):
+        check_server(resolved)
     client = MlflowClient(tracking_uri=resolved)
-    client.search_experiments(max_results=1)
+    try:
+        client.search_experiments(max_results=1)
+    except MlflowException as err:
+        raise PipelineError(f"tracking.uri: the MLflow store at {redact(resolved)} failed: {err.message}") from err
     return client, resolved
+
+
+def check_server(uri: str) -> None:
+    """Fail within seconds when no MLflow server answers at ``uri``: MLflow's client retries an
+    unreachable server with backoff for minutes before it gives up. Any HTTP answer will do."""
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_TIMEOUT_S)
+    except requests.RequestException as err:
+        raise PipelineError(
+            f"tracking.uri: no MLflow tracking server answers at {redact(uri)} ({type(err).__name__}). Start it "
+            "(mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri ...), correct tracking.uri or "
+            "MLFLOW_TRACKING_URI, or unset both to log to the SQLite store in paths.outputs."
+        ) from None  # the chained error repeats the URI, password included
 
 
 def flatten(node: object, prefix: str = "") -> dict[str, str]:
@@ -76,9 +102,24 @@ def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> st
     return client.create_experiment(name, artifact_location=artifacts)
 
 
+def runs_where(client: MlflowClient, experiment: str, key: str, value: str, **search) -> list:
+    """Runs of ``experiment`` whose ``key`` (``run_name`` or a tag) is exactly ``value``, whatever quotes
+    it holds: MLflow's filter strings have no escape, so the other quote encloses it, and a value
+    with both kinds is matched with LIKE (``_`` for each ``'``) and compared exactly here."""
+    field = "attributes.run_name" if key == "run_name" else f"tags.`{key}`"
+    if "'" not in value:
+        runs = client.search_runs([experiment], filter_string=f"{field} = '{value}'", **search)
+    elif '"' not in value:
+        runs = client.search_runs([experiment], filter_string=f'{field} = "{value}"', **search)
+    else:
+        search.pop("max_results", None)
+        runs = client.search_runs([experiment], filter_string=f"{field} LIKE '{value.replace(chr(39), '_')}'", **search)
+    return [r for r in runs if (r.info.run_name if key == "run_name" else r.data.tags.get(key)) == value]
+
+
 def sweep_parent(client: MlflowClient, experiment: str, sweep_dir: str) -> str:
     """The parent run of a Hydra multirun, found by its sweep directory or created by its first job."""
-    found = client.search_runs([experiment], filter_string=f"tags.`{SWEEP_DIR_TAG}` = '{sweep_dir}'", max_results=1)
+    found = runs_where(client, experiment, SWEEP_DIR_TAG, sweep_dir, max_results=1)
     if found:
         return found[0].info.run_id
     name = "sweep " + "/".join(Path(sweep_dir).parts[-2:])
@@ -116,12 +157,7 @@ def start_run(
 
 def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[str, str]:
     """The newest unfinished run named ``run_name``, set RUNNING again, and its checkpoint location."""
-    found = client.search_runs(
-        [experiment],
-        filter_string=f"attributes.run_name = '{run_name}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
+    found = runs_where(client, experiment, "run_name", run_name, order_by=["attributes.start_time DESC"], max_results=1)
     if not found:
         raise PipelineError(
             f"train.resume=true: no run named {run_name!r} in this experiment to resume "
@@ -174,20 +210,9 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> 
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
-def log_epoch(client: MlflowClient, run_id: str, metrics: dict, epoch: int) -> None:
-    """The per-epoch metrics, with step = epoch."""
-    log_metrics(client, run_id, {k: metrics[k] for k in EPOCH_METRICS}, epoch)
-
-
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
     """Epochs whose metrics the run already holds (a resumed run continues after them)."""
     return {m.step for m in client.get_metric_history(run_id, EPOCH_METRICS[0])}
-
-
-def log_restore(client: MlflowClient, run_id: str, epoch: int) -> None:
-    """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
-    count = len(client.get_metric_history(run_id, RESTORES_METRIC)) + 1
-    client.log_metric(run_id, RESTORES_METRIC, count, step=epoch)
 
 
 def epoch_history(client: MlflowClient, run_id: str) -> list[dict]:
@@ -239,13 +264,17 @@ def recorded(client: MlflowClient, run_id: str) -> Iterator[None]:
     any other error (its message kept as a tag)."""
     try:
         yield
-    except (KeyboardInterrupt, SystemExit) as err:
-        end_run(client, run_id, "KILLED", err)
-        raise
     except BaseException as err:
-        end_run(client, run_id, "FAILED", err)
+        end_run(client, run_id, end_status(err), err)
         raise
     end_run(client, run_id, "FINISHED")
+
+
+def end_status(error: BaseException | None) -> str:
+    """FINISHED without an error, KILLED for Ctrl-C or SIGTERM (SystemExit), FAILED for any other."""
+    if error is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"
 
 
 def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:
@@ -253,3 +282,85 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException
     if error is not None:
         client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:MAX_TAG_LENGTH])
     client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))
+
+
+class Tracker:
+    """A training job's MLflow run: created (or, with ``train.resume``, reopened) when training is about
+    to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
+    state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
+
+    def __init__(self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float):
+        self.client, self.uri, self.run_id = client, uri, run_id
+        self.resume_from = resume_from  # where a resumed run's checkpoints are
+        self.started_at = started_at  # startup_s counts from here
+        self.logged = logged_epochs(client, run_id)  # a resumed run holds its first epochs already
+        self.last: dict | None = None  # the latest epoch's metrics
+        self.expected_rows: dict[str, int] = {}
+        self._startup_logged = False
+
+    @classmethod
+    def open(cls, cfg: dict, job) -> Tracker:
+        """The job's run in the configured store: a new one (in a sweep, nested under the sweep's
+        parent) with the config logged, or the run ``train.resume`` continues."""
+        client, uri = connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        name = cfg["tracking"]["experiment_name"] or job.experiment
+        experiment = experiment_id(client, uri, name, cfg["paths"]["outputs"])
+        if cfg["train"]["resume"]:
+            run_id, resume_from = reopen_run(client, experiment, cfg["tracking"]["run_name"])
+            return cls(client, uri, run_id, resume_from, job.started_at)
+        parent = sweep_parent(client, experiment, job.sweep_dir) if job.sweep_dir else None
+        run_name = cfg["tracking"]["run_name"] or job.run_name
+        run_id = start_run(client, experiment, run_name, parent, job.overrides, CODE_DIR)
+        log_config(client, run_id, cfg)
+        return cls(client, uri, run_id, None, job.started_at)
+
+    @property
+    def next_epoch(self) -> int:
+        return max(self.logged, default=-1) + 1
+
+    def set_storage(self, uri: str) -> None:
+        """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
+        self.client.set_tag(self.run_id, STORAGE_TAG, uri)
+
+    def log_startup(self, first_step_at: float, epoch: int) -> None:
+        """``startup_s``: from the command (a sweep's later jobs: their own start) to the first training step."""
+        if not self._startup_logged:
+            self.client.log_metric(self.run_id, "startup_s", first_step_at - self.started_at, step=epoch)
+            self._startup_logged = True
+
+    def log_epoch(self, metrics: dict) -> None:
+        """An epoch's metrics, once (step = epoch), and ``skipped_rows`` when rows went missing."""
+        epoch = metrics["epoch"]
+        if epoch in self.logged:
+            raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
+        self.logged.add(epoch)
+        log_metrics(self.client, self.run_id, {k: metrics[k] for k in EPOCH_METRICS}, epoch)
+        skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
+        if skipped:
+            self.client.log_metric(self.run_id, "skipped_rows", skipped, step=epoch)
+            log.warning(
+                "epoch %d: %d row(s) never reached training (skipped by a transform; Ray's worker logs name them)",
+                epoch + 1,
+                skipped,
+            )
+        self.last = metrics
+
+    def log_restore(self, epoch: int) -> None:
+        """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
+        count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
+        self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
+
+    def log_model(self, checkpoint_file: str) -> None:
+        log_model(self.client, self.run_id, checkpoint_file)
+
+    def end(self, status: str, error: BaseException | None = None) -> None:
+        """The learning curve, if any epoch was logged, then the end state."""
+        if self.logged:
+            log_learning_curve(self.client, self.run_id)
+        end_run(self.client, self.run_id, status, error)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.end(end_status(error), error)

@@ -87,11 +87,8 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert run.info.status == "FINISHED" and 0 <= run.data.metrics["val_accuracy"] <= 1
     assert run.data.tags["pipeline.storage"].startswith(str(storage))
-    ranks = [
-        rank
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        for rank in json.loads(line)["ranks"]
-    ]
+    ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"]}
     # the workers imported the pipeline the driver uploaded (ray.py_modules), not this checkout
     assert all("runtime_resources" in r["code"] and not r["code"].startswith(str(HERE.parent)) for r in ranks)

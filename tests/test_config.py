@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.cluster import runtime_env
-from pipeline.config import PipelineError, active_steps, validate
+from pipeline.config import CONF_DIR, PipelineConfig, PipelineError, TransformSpec, active_steps, validate
 from pipeline.predict import actor_options
 from pipeline.preprocess import placement, read_placement
-from pipeline.train import amp_plan, check_resources, steps_per_epoch, trainer_settings
+from pipeline.trainer import check_resources, steps_per_epoch, trainer_settings
+from pipeline.worker import amp_plan
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -35,7 +40,7 @@ def test_cifar_vit_is_the_ray_train_tutorial():
     assert cpu["scaling"]["use_gpu"] is False and cpu["model"] == cfg["model"]
 
 
-@pytest.mark.parametrize("experiment", ["cifar_vit", "cifar_vit_cpu", "smoke"])
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_validates(experiment):
     cfg = compose_cfg([f"+experiment={experiment}"])
     validate(cfg)
@@ -43,6 +48,52 @@ def test_every_experiment_composes_and_validates(experiment):
 
     model = hydra.utils.instantiate(cfg["model"])
     assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 10)
+
+
+NO_DEFAULT = object()
+
+
+def schema_default(schema: type, path: list[str]):
+    """The schema's default at ``path`` below ``schema`` (a dataclass), or NO_DEFAULT where it sets none."""
+    value = schema()
+    for key in path:
+        value = getattr(value, key, NO_DEFAULT) if dataclasses.is_dataclass(value) else NO_DEFAULT
+    return value
+
+
+def leaves(node: dict, prefix: list[str]):
+    """(path, value) for every value of a YAML mapping that is not itself a mapping or a _target_ node."""
+    for key, value in node.items():
+        if isinstance(value, dict) and "_target_" not in value:
+            yield from leaves(value, [*prefix, key])
+        else:
+            yield [*prefix, key], value
+
+
+@pytest.mark.parametrize("group", ["source", "scaling", "transforms"])  # the groups the schema types
+def test_group_files_hold_only_what_their_choice_changes(group):
+    """Every default is set once, in the schema: a group file that restates one could drift from it.
+    (A file that extends another option of its group may set back what that option changed.)"""
+    schema = next(f.default_factory for f in dataclasses.fields(PipelineConfig) if f.name == group)
+    for path in (Path(CONF_DIR) / group).glob("*.yaml"):
+        values = yaml.safe_load(path.read_text()) or {}
+        extended = [
+            yaml.safe_load((path.parent / f"{d}.yaml").read_text()) for d in values.pop("defaults", []) if d != "_self_"
+        ]
+        set_by_extended = {tuple(keys) for parent in extended for keys, _ in leaves(parent, [])}
+        for keys, value in leaves(values, []):
+            if tuple(keys) in set_by_extended:
+                continue
+            if group == "transforms":  # each step is a TransformSpec
+                default = schema_default(TransformSpec, keys[2:]) if len(keys) > 2 else NO_DEFAULT
+            else:
+                default = schema_default(schema, keys)
+            assert value != default, f"{path.name}: {'.'.join(keys)} restates the schema default"
+
+
+def test_an_invalid_on_error_is_named_before_anything_runs():
+    with pytest.raises(PipelineError, match=r"transforms.valid.decode.fn.on_error must be one of 'raise', 'skip'"):
+        validate(compose_cfg(["transforms.valid.decode.fn.on_error=ignore"]))
 
 
 def test_cifar_vit_cpu_is_smaller_and_scheduled():

@@ -33,6 +33,14 @@ DETERMINISTIC = [
 ]
 
 
+def assert_all_gone(started: set[int]) -> None:
+    """Every process the command started has exited (within 30 s of the command itself)."""
+    deadline = time.monotonic() + 30
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert started and alive(started) == set()  # Ray's raylet, GCS and every worker went with the driver
+
+
 def wait_for_epochs(run_dir: Path, count: int, timeout_s: float = 300.0) -> None:
     """Block until the job's metrics.jsonl holds ``count`` reported epochs."""
     path, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
@@ -114,10 +122,7 @@ def test_sigterm_ends_the_run_killed_with_a_loadable_checkpoint_and_no_processes
     assert run_info.info.status == "KILLED", output
     checkpoints = sorted(Path(run_info.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt"))
     assert checkpoints and torch.load(checkpoints[-1], weights_only=True)["epoch"] >= 0
-    deadline = time.monotonic() + 30
-    while alive(started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert started and alive(started) == set()  # Ray's raylet, GCS and every worker went with the driver
+    assert_all_gone(started)
 
 
 @pytest.mark.slow
@@ -128,6 +133,8 @@ def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_
     output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGINT, args)
     client, interrupted = the_run(tmp_path)
     assert interrupted.info.status == "KILLED", output
+    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
+    assert_all_gone(started)
     reported = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert reported in (1, 2)  # Ctrl-C came during epoch 2 (or, at worst, right after it)
 
@@ -149,7 +156,7 @@ def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root, ray_runtime, monkeypatch):
-    """SIGKILL rank 1's RayTrainWorker process (its pid is in the epoch report) while epoch 2 runs; with
+    """SIGKILL rank 1's RayTrainWorker process (its pid is in the run's workers.jsonl) while epoch 2 runs; with
     train.max_failures=1 the worker group restarts from epoch 1's checkpoint and the run finishes.
     (Ray's state API would name the pid too, but it needs the dashboard, which ray[data,train] lacks.)"""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
@@ -157,7 +164,8 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root
 
     def kill_a_worker() -> None:
         wait_for_epochs(tmp_path / "run", 1)
-        pid = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["ranks"][1]["pid"]
+        workers = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
+        pid = next(w["pid"] for w in workers if w["rank"] == 1)
         title = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         os.kill(pid, signal.SIGKILL)
         killed.append(title)
@@ -211,9 +219,9 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
 
 def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
     """A KeyboardInterrupt raised inside a finalizer is only printed; the request it made still ends fit()."""
-    from pipeline import train
+    from pipeline import trainer
 
-    monkeypatch.setattr(train, "_stop_requests", [])
+    monkeypatch.setattr(trainer, "_stop_requests", [])
 
     class SlowTrainer:  # stands in for TorchTrainer: fit() would return after 10 s
         def fit(self) -> str:
@@ -222,8 +230,8 @@ def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
 
     def swallowed_ctrl_c() -> None:
         with contextlib.suppress(KeyboardInterrupt):  # what happens to it inside a __del__
-            train.request_stop(KeyboardInterrupt())
+            trainer.request_stop(KeyboardInterrupt())
 
     threading.Timer(0.3, swallowed_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):  # not "finished"
-        train.fit(SlowTrainer())
+        trainer.fit_off_main_thread(SlowTrainer())

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import tracking, train
+from pipeline import tracking, worker
 from pipeline.config import PipelineError
 from pipeline.predict import Predictor, check_output, load_weights, trained_run
 
@@ -49,9 +49,9 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     client, experiment = store
     weights = {"w": torch.arange(4.0)}
     (tmp_path / "ckpt").mkdir()
-    torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / train.CHECKPOINT_FILE)
+    torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / worker.CHECKPOINT_FILE)
     torch.save(weights, tmp_path / "bare.pt")
-    for source in (tmp_path / "ckpt", tmp_path / "ckpt" / train.CHECKPOINT_FILE, tmp_path / "bare.pt"):
+    for source in (tmp_path / "ckpt", tmp_path / "ckpt" / worker.CHECKPOINT_FILE, tmp_path / "bare.pt"):
         assert torch.equal(load_weights(client, None, str(source))["w"], weights["w"])
     torch.save({"model": weights, "code": np.dtype("O")}, tmp_path / "pickled.pt")  # not plain weights
     with pytest.raises(PipelineError, match="cannot load weights from .*pickled.pt"):
@@ -60,7 +60,7 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     run_id = client.create_run(experiment, run_name="r").info.run_id
     with pytest.raises(PipelineError, match="has no model/state_dict.pt .* predict.checkpoint=PATH"):
         load_weights(client, client.get_run(run_id), None)
-    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / train.CHECKPOINT_FILE))
+    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / worker.CHECKPOINT_FILE))
     assert torch.equal(load_weights(client, client.get_run(run_id), None)["w"], weights["w"])
 
 

@@ -90,6 +90,27 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
 
 
+def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_goes_on(tmp_path, data_root):
+    """train.epochs=many fails Hydra's composition (the schema's int), epochs=0 our checks: neither
+    starts Ray, both are recorded, and the sweep reports them and exits non-zero."""
+    result = run_cli(["-m", "+experiment=smoke", "train.epochs=many,0", "hydra.sweep.dir=sweep"], tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and "Ray runtime up" not in output
+    assert "2 jobs, 2 failed" in output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    children = children_of(client, experiment.experiment_id, parent.info.run_id)
+    assert [c.info.status for c in children] == ["FAILED", "FAILED"]
+    assert [c.info.run_name for c in children] == ["job 0: train.epochs=many", "job 1: train.epochs=0"]
+    assert (
+        "train.epochs" in children[0].data.tags["pipeline.error"] and "many" in children[0].data.tags["pipeline.error"]
+    )
+    assert "train.epochs must be >= 1, got 0" in children[1].data.tags["pipeline.error"]
+    assert parent.info.status == "FAILED"
+
+
 @pytest.mark.slow
 def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
     result = run_cli(

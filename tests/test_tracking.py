@@ -56,3 +56,19 @@ def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
     tracking.end_run(client, done, "FINISHED")
     with pytest.raises(PipelineError, match="run 'done' .* already finished"):
         tracking.reopen_run(client, experiment, "done")
+
+
+def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
+    """MLflow's filter strings have no escape character: names with ', " or both still match exactly."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment('it\'s a "test"', artifact_location=(tmp_path / "artifacts").as_uri())
+    names = ["plain", "it's", 'say "hi"', "both ' and \"", 'both _ and "']  # the last is a LIKE look-alike
+    ids = {name: client.create_run(experiment, run_name=name).info.run_id for name in names}
+    for name in names:
+        assert [r.info.run_id for r in tracking.runs_where(client, experiment, "run_name", name)] == [ids[name]]
+    tracking.end_run(client, ids["both ' and \""], "KILLED")
+    client.set_tag(ids["both ' and \""], tracking.STORAGE_TAG, "/ckpt/q")
+    assert tracking.reopen_run(client, experiment, "both ' and \"") == (ids["both ' and \""], "/ckpt/q")
+    sweep_dir = str(tmp_path / 'it\'s "here"')
+    parent = tracking.sweep_parent(client, experiment, sweep_dir)
+    assert tracking.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice

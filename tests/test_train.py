@@ -6,27 +6,27 @@ import threading
 
 import pytest
 
-from pipeline.train import started
+from pipeline.worker import prefetched
 
 
-def test_started_asks_for_the_first_batch_before_anyone_iterates():
+def test_prefetched_asks_for_the_first_batch_before_anyone_iterates():
     asked = threading.Event()
 
     def batches():
         asked.set()
         yield from range(5)
 
-    stream = started(batches())
+    stream = prefetched(batches())
     assert asked.wait(timeout=10)  # fetched in the background: the model can be built meanwhile
     assert list(stream) == [0, 1, 2, 3, 4]
 
 
-def test_started_passes_an_empty_stream_and_errors_through():
-    assert list(started(iter(()))) == []
+def test_prefetched_passes_an_empty_stream_and_errors_through():
+    assert list(prefetched(iter(()))) == []
 
     def failing():
         raise OSError("cannot read part-00003.parquet")
         yield  # a generator
 
     with pytest.raises(OSError, match="part-00003"):
-        list(started(failing()))
+        list(prefetched(failing()))

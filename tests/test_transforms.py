@@ -54,6 +54,14 @@ def test_a_bad_row_is_named_by_file_and_row(tmp_path):
         decode_jpeg(file_with_a_bad_row(tmp_path))
 
 
+def test_a_null_image_is_named_like_bad_bytes(tmp_path):
+    """The decoder raises TypeError for a null: the row is bad all the same, and named."""
+    batch = file_with_a_bad_row(tmp_path)
+    batch["image"][2] = None
+    with pytest.raises(ValueError, match=r"'image' in .*part-00007.parquet holds None, not JPEG bytes \(TypeError"):
+        decode_jpeg(batch)
+
+
 def test_skipping_drops_only_the_bad_rows(tmp_path, caplog):
     out = decode_jpeg(file_with_a_bad_row(tmp_path), on_error="skip")
     assert out["image"].shape == (3, 3, 32, 32)
@@ -97,14 +105,18 @@ def test_seeded_augmentation_depends_on_the_row_not_its_batch_or_order(augment):
     assert sum(not np.array_equal(a, b) for a, b in zip(batch, once)) > 4  # the seed does not turn it off
 
 
-def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(ray_runtime):
-    """Through Ray Data: each pass (epoch) flips a different set of rows, a second dataset built the same
-    way flips the same sets, and one that starts its count at epoch 1 (a resumed run) repeats epoch 1."""
+def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
+    """Through Ray Data, as training runs it: the workers set the epoch before each pass, and each of
+    epochs 0, 1 and 2 flips a different set of rows; a second dataset built the same way flips the
+    same sets, and one whose first pass is epoch 1 (a resumed run) repeats epoch 1."""
+    import ray
     import ray.data
 
-    from pipeline.preprocess import start_at_epoch
+    from pipeline.preprocess import EpochCounter, apply
 
     pixels = images(64)
+    flip = compose_cfg([])["transforms"]["train"]["flip"]
+    steps = {"flip": {**flip, "fn": {**flip["fn"], "seed": 3}, "batch_size": 16}}
 
     def flipped_rows(ds) -> list[int]:
         out = np.concatenate([b["image"] for b in ds.iter_batches(batch_size=None)])
@@ -114,19 +126,25 @@ def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(r
         ]
         return sorted(i for i, o in zip(order, out) if not np.array_equal(pixels[i], o))
 
-    def dataset():
-        return ray.data.from_items([{"image": p} for p in pixels], override_num_blocks=4).map_batches(
-            random_flip, fn_kwargs={"seed": 3}, batch_format="numpy", batch_size=16
+    def passes(epochs: list[int]) -> list[list[int]]:
+        counter = EpochCounter.remote()
+        ds = apply(
+            ray.data.from_items([{"image": p} for p in pixels], override_num_blocks=4), steps, ["image"], counter
         )
+        flipped = []
+        for epoch in epochs:
+            ray.get(counter.set.remote(epoch))
+            flipped.append(flipped_rows(ds))
+        ray.kill(counter)
+        return flipped
 
-    first = dataset()
-    epochs = [flipped_rows(first) for _ in range(3)]
-    assert epochs[0] != epochs[1] != epochs[2]
-    again = dataset()
-    assert [flipped_rows(again) for _ in range(2)] == epochs[:2]
-    resumed = dataset()
-    start_at_epoch(resumed, 1)
-    assert flipped_rows(resumed) == epochs[1]
+    epochs = passes([0, 1, 2])
+    assert len({tuple(rows) for rows in epochs}) == 3 and all(epochs)  # three different sets of flips
+    assert passes([0, 1]) == epochs[:2]
+    assert passes([1]) == epochs[1:2]
+    # the same rows a plain call with that epoch flips: the pipeline only supplies the epoch
+    direct = random_flip({"image": pixels}, seed=3, epoch=2)["image"]
+    assert sorted(i for i in range(64) if not np.array_equal(direct[i], pixels[i])) == epochs[2]
 
 
 @pytest.mark.parametrize(
@@ -136,14 +154,14 @@ def test_seeded_augmentation_changes_each_epoch_and_a_resumed_count_repeats_it(r
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.train import batches
+    from pipeline.worker import torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    out = list(batches(ds, cfg, torch.device("cpu"), 1, None, training=False))
+    out = list(torch_batches(ds, cfg, torch.device("cpu"), 1, training=False))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     images = torch.cat([b["image"] for b in out])
     assert images.dtype == torch.float32
@@ -151,13 +169,8 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     raw = torch.cat(
         [
             b["image"]
-            for b in batches(
-                ds,
-                {**cfg, "ingest": {**cfg["ingest"], "normalize": None}},
-                torch.device("cpu"),
-                1,
-                None,
-                training=False,
+            for b in torch_batches(
+                ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}, torch.device("cpu"), 1, training=False
             )
         ]
     )

@@ -1,0 +1,296 @@
+"""Runs in every Ray Train worker process: the DDP training loop, top to bottom.
+
+A worker gets the resolved config as a plain dict (no Hydra context exists here), streams its shard
+of each split with ``iter_torch_batches``, trains one DDP replica, all-reduces the validation sums
+so every world size reports the same numbers for the same weights, and reports metrics plus a
+checkpoint once per epoch. What the driver does meanwhile is in :mod:`pipeline.trainer`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+
+CHECKPOINT_FILE = "checkpoint.pt"
+PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One worker's run: set up, restore, then per epoch: batches -> steps -> evaluate -> report."""
+    cfg, events, epoch_counter = config["cfg"], config["events"], config["epoch_counter"]
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    if cfg["scaling"]["torch_threads"]:
+        torch.set_num_threads(cfg["scaling"]["torch_threads"])
+    device = ray.train.torch.get_device()
+    events.put(("worker", where_this_runs(rank)))
+
+    state = restored_state(device)  # a restarted worker group, or a resumed run
+    start, epochs = (state["epoch"] + 1 if state else 0), cfg["train"]["epochs"]
+
+    # Ray Data starts reading and decoding the first epoch while the model is built.
+    first_batches = prefetched(train_batches(cfg, start, epoch_counter, device, world_size)) if start < epochs else ()
+    replica = Replica.build(cfg, device, total_steps=epochs * config["steps_per_epoch"])
+    if state is not None:
+        replica.load_state_dict(state)
+        if rank == 0:  # the driver counts every restore
+            events.put(("restored", {"epoch": start}))
+    progress = (lambda event: events.put(("progress", event))) if rank == 0 else None
+
+    for epoch in range(start, epochs):
+        batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
+        metrics = train_epoch(replica, batches, cfg, epoch, progress)
+        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
+        metrics |= evaluate(replica, valid, cfg)
+        metrics |= {"epoch": epoch, "rank": rank, "weights_sha256": weights_digest(replica.module)}
+        report(metrics, replica, epoch, rank)
+
+
+@dataclass
+class Replica:
+    """One worker's model (DDP-wrapped) and everything that steps with it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # a torch LR scheduler stepped per batch, or None
+    scaler: torch.amp.GradScaler
+    autocast: torch.autocast
+
+    @classmethod
+    def build(cls, cfg: dict, device: torch.device, total_steps: int) -> Replica:
+        """The configured model, optimizer and schedule, seeded with ``train.seed`` (every rank alike)."""
+        torch.manual_seed(cfg["train"]["seed"])
+        model = ray.train.torch.prepare_model(instantiate(cfg["model"], _convert_="all"))
+        optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
+        scheduler = None
+        if cfg["scheduler"] is not None:
+            scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
+        autocast, scaler = autocast_settings(device, cfg["train"])
+        return cls(model, optimizer, scheduler, scaler, autocast)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare model, without DDP's wrapper: for evaluation and checkpoints."""
+        return getattr(self.model, "module", self.model)
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def state_dict(self, epoch: int) -> dict:
+        state = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "epoch": epoch,
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, progress) -> dict:
+    """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers."""
+    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
+    replica.model.train()
+    device = next(replica.model.parameters()).device
+    # Sums stay on the device: a .item() per step would stall a GPU on every batch.
+    loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, float("-inf")
+    clock = WaitClock()
+    for step, batch in enumerate(clock.wrap(batches), start=1):
+        with replica.autocast:
+            loss = torch.nn.functional.cross_entropy(replica.model(batch[features]), batch[labels])
+        replica.step(loss)
+        loss_sum += loss.detach().double() * len(batch[labels])
+        seen += len(batch[labels])
+        if progress is not None and time.monotonic() - last_sent >= PROGRESS_INTERVAL_S:
+            progress({"epoch": epoch, "step": step, "loss": loss.item(), "at": time.time()})
+            last_sent = time.monotonic()
+    elapsed = clock.elapsed()
+    total_loss, total_seen, waited, ran = sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
+    return {
+        "train_loss": total_loss / max(total_seen, 1),
+        "train_throughput": total_seen / elapsed,
+        "train_rows": int(total_seen),
+        "data_wait_fraction": waited / max(ran, 1e-9),
+    }
+
+
+@torch.no_grad()
+def evaluate(replica: Replica, batches: Iterable[dict], cfg: dict) -> dict:
+    """Loss and accuracy over every worker's shard: sums and counts are all-reduced, then divided."""
+    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
+    model = replica.module.eval()
+    device = next(model.parameters()).device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct, count = torch.zeros((), dtype=torch.int64, device=device), 0
+    for batch in batches:
+        with replica.autocast:
+            logits = model(batch[features])
+        loss_sum += torch.nn.functional.cross_entropy(logits.float(), batch[labels], reduction="sum").double()
+        correct += (logits.argmax(dim=1) == batch[labels]).sum()
+        count += len(batch[labels])
+    loss_sum, correct, count = sum_over_workers([loss_sum.item(), correct.item(), count], device)
+    return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1), "val_rows": int(count)}
+
+
+def report(metrics: dict, replica: Replica, epoch: int, rank: int) -> None:
+    """``ray.train.report`` (a barrier: every rank calls it once per epoch), with rank 0's checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            torch.save(replica.state_dict(epoch), os.path.join(tmp, CHECKPOINT_FILE))
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def restored_state(device: torch.device) -> dict | None:
+    """The latest checkpoint's state, when Ray Train restores one; loaded as weights only."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as path:
+        return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
+
+
+def train_batches(cfg: dict, epoch: int, epoch_counter, device: torch.device, world_size: int) -> Iterator[dict]:
+    """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
+    seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
+    ray.get(epoch_counter.set.remote(epoch))
+    shard = ray.train.get_dataset_shard("train")
+    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
+
+
+def torch_batches(
+    shard, cfg: dict, device: torch.device, world_size: int, training: bool, seed: int | None = None
+) -> Iterator:
+    """This worker's shard of a split as torch batches (``ingest`` settings). Training shuffles in a
+    local buffer and drops its last partial batch when ``ingest`` says so; validation never does.
+
+    Features arrive as uint8 (a quarter of float32's bytes through Ray's object store and to a GPU)
+    and ``ingest.normalize`` turns them into floats here, on the training device.
+    """
+    ingest, feature = cfg["ingest"], cfg["source"]["feature_column"]
+    stream = shard.iter_torch_batches(
+        batch_size=ingest["batch_size"] // world_size,
+        prefetch_batches=ingest["prefetch_batches"],
+        local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"] if training else None,
+        local_shuffle_seed=seed,
+        drop_last=ingest["drop_last"] and training,
+        device=device,
+    )
+    if ingest["normalize"] is None:
+        return stream
+    scale, shift = pixel_scaling(ingest["normalize"], device)
+    return ({**batch, feature: batch[feature].float() * scale + shift} for batch in stream)
+
+
+def pixel_scaling(normalize: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
+    mean = torch.tensor(normalize["mean"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(normalize["std"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    return 1.0 / (255.0 * std), -mean / std
+
+
+def amp_plan(device_type: str, train: dict) -> tuple[bool, torch.dtype, bool]:
+    """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
+    float16 needs loss scaling, bfloat16 does not."""
+    enabled = train["amp"] and device_type == "cuda"
+    dtype = getattr(torch, train["amp_dtype"])
+    return enabled, dtype, enabled and dtype == torch.float16
+
+
+def autocast_settings(device: torch.device, train: dict) -> tuple[torch.autocast, torch.amp.GradScaler]:
+    """The autocast context and GradScaler that :func:`amp_plan` asks for."""
+    enabled, dtype, scale = amp_plan(device.type, train)
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)
+
+
+def sum_over_workers(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sums over every worker (no-op outside a process group)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def where_this_runs(rank: int) -> dict:
+    """This worker's rank, process, node and copy of the code, for the run's ``workers.jsonl``."""
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "code": os.path.dirname(os.path.abspath(__file__)),
+    }
+
+
+class WaitClock:
+    """Seconds a loop spent waiting for its next batch, against the seconds it ran: is ingest the bottleneck?"""
+
+    def __init__(self) -> None:
+        self.waited, self.started = 0.0, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def wrap(self, batches: Iterable) -> Iterator:
+        iterator = iter(batches)
+        while True:
+            before = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - before
+            if batch is None:
+                return
+            yield batch
+
+
+def prefetched(batches: Iterable) -> Iterator:
+    """``batches`` with its first item already on its way: a helper thread asks for it now, so Ray Data
+    starts its split coordinator, reads and decodes while the caller builds the model."""
+    iterator = iter(batches)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-batch")
+    end = object()
+    first = pool.submit(next, iterator, end)
+    pool.shutdown(wait=False)
+
+    def chained() -> Iterator:
+        batch = first.result()
+        if batch is not end:
+            yield batch
+            yield from iterator
+
+    return chained()
