@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from tqdm import tqdm
 
 
 def quiet_libraries() -> None:
-    """Keep Ray's, Ray Data's and MLflow's chatter off the console (Ray's own log files keep it all)."""
+    """Keep Ray's, Ray Data's and MLflow's chatter off the console: Ray Data's console shows errors
+    only (its notes, such as a false "the Dataset job will hang" while its own metadata tasks hold
+    every CPU, are not the user's concern), while its log file in Ray's session directory keeps all."""
     import ray.data
 
     logging.getLogger("ray").setLevel(logging.ERROR)
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
+            handler.setLevel(logging.ERROR)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

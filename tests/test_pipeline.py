@@ -120,6 +120,8 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     # weights on the same rows, so the same accuracy; an MLflow run nested under the training run
     result = run_cli(["+experiment=smoke", "stage=predict", "hydra.run.dir=predict"], tmp_path, data_root)
     assert result.returncode == 0, result.stdout + result.stderr
+    for noise in ("will hang", "Progress bars disabled", "Traceback"):  # the console keeps to our lines
+        assert noise not in result.stdout + result.stderr, noise
     (predicted,) = client.search_runs([experiment.experiment_id], filter_string="tags.`pipeline.stage` = 'predict'")
     assert predicted.info.status == "FINISHED" and predicted.info.run_name == f"predict: {run_info.info.run_name}"
     assert predicted.data.tags["mlflow.parentRunId"] == run_info.info.run_id

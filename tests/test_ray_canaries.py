@@ -4,9 +4,11 @@ for. When one fails, Ray has changed: revisit the workaround it names, then the 
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 import ray
+import ray.cloudpickle
 import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
@@ -33,6 +35,7 @@ def test_fit_on_the_main_thread_installs_a_sigint_handler_and_worker_errors_arri
     """Workarounds: ``fit_off_main_thread`` (Ray Train's own SIGINT handler, installed by ``fit()`` on
     the main thread and left there) and ``root_cause`` (a user error inside a Ray Data task inside a
     worker reaches the driver as traceback text whose last ``Type: message`` line is the user's)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
     ours = signal.getsignal(signal.SIGINT)
     trainer = TorchTrainer(
         read_a_bad_row,
@@ -48,7 +51,7 @@ def test_fit_on_the_main_thread_installs_a_sigint_handler_and_worker_errors_arri
         signal.signal(signal.SIGINT, ours)
     assert installed is not ours, "Ray Train no longer installs a SIGINT handler: fit_off_main_thread may go"
     (failure,) = failed.value.worker_failures.values()
-    assert "Traceback" in str(failure)  # still flattened to text: root_cause still needed
+    assert str(failure).strip() != root_cause(failure)  # wrapped in Ray's text: root_cause still needed
     assert root_cause(failure) == "TypeError: row 7 holds None, not JPEG bytes"
     assert "training failed on rank(s) [0]: TypeError: row 7 holds None" in str(explain(failed.value))
 
