@@ -165,8 +165,7 @@ def download_cifar10(root: str, url: str = CIFAR10_URL, timeout_s: float = 30.0)
             raise PipelineError(
                 f"CIFAR-10 is not at {target.resolve()} and downloading it from {url} failed ({err}). "
                 "If this machine is offline, copy the parquet files there, or point the pipeline at the "
-                "directory that contains cifar10/: PIPELINE_DATA_DIR=/path/to/data (for example "
-                "PIPELINE_DATA_DIR=../shared/data) or source.root=/path/to/data."
+                "directory that contains cifar10/: PIPELINE_DATA_DIR=/path/to/data or source.root=/path/to/data."
             ) from err
         finally:
             socket.setdefaulttimeout(previous)
