@@ -29,7 +29,6 @@ from pipeline.config import PipelineError, validate
 from pipeline.filesystems import locate
 
 log = logging.getLogger(__name__)
-CODE_DIR = os.path.dirname(os.path.abspath(__file__))
 STAGE_TAG = "pipeline.stage"
 PREDICTIONS_TAG = "pipeline.predictions"  # where the run's predictions are
 MODEL_ARTIFACT = "model/state_dict.pt"
@@ -187,7 +186,7 @@ def run(cfg: dict, job) -> dict:
     experiment = tracking.experiment_id(client, uri, experiment_name, cfg["paths"]["outputs"])
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
     run_id = tracking.start_run(
-        client, experiment, name, model_run.info.run_id if model_run else None, job.overrides, CODE_DIR
+        client, experiment, name, model_run.info.run_id if model_run else None, job.overrides, tracking.CODE_DIR
     )
     client.set_tag(run_id, STAGE_TAG, "predict")
     client.set_tag(run_id, PREDICTIONS_TAG, output)

@@ -314,10 +314,6 @@ class Tracker:
         log_config(client, run_id, cfg)
         return cls(client, uri, run_id, None, job.started_at)
 
-    @property
-    def next_epoch(self) -> int:
-        return max(self.logged, default=-1) + 1
-
     def set_storage(self, uri: str) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
         self.client.set_tag(self.run_id, STORAGE_TAG, uri)
