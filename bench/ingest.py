@@ -45,7 +45,7 @@ def consume(config: dict) -> None:
     device = ray.train.torch.get_device()
     for epoch in range(EPOCHS):
         start, rows, first = time.perf_counter(), 0, None
-        for batch in train_batches(cfg, epoch, config["epoch_counter"], device, 1):
+        for batch in train_batches(cfg, epoch, config["epoch_counter"], None, device, 1):
             rows += len(batch[label])
             first = first or time.perf_counter() - start
         rates.append({"rows": rows, "seconds": time.perf_counter() - start, "first_batch_s": first})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,17 +24,30 @@ from omegaconf import MISSING
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-# Reported every epoch; *_rows count the rows that reached the training loop (all workers together);
-# data_wait_fraction is the share of the training loop's time spent waiting for its next batch.
-EPOCH_METRICS = (
-    "train_loss",
-    "val_loss",
-    "val_accuracy",
-    "train_throughput",
-    "train_rows",
-    "val_rows",
-    "data_wait_fraction",
-)
+# Reported every epoch, around the task's validation metrics (val_<metric>, see epoch_metrics): *_rows count
+# the rows that reached the training loop (all workers together); data_wait_fraction is the share of the
+# training loop's time spent waiting for its next batch.
+LOSSES = ("train_loss", "val_loss")
+COUNTERS = ("train_throughput", "train_rows", "val_rows", "data_wait_fraction")
+# The metrics each task type can report (task.metrics), as patterns: topK_accuracy for any K.
+TASK_METRICS = {"classification": r"accuracy|top[1-9][0-9]*_accuracy", "regression": r"mae|mse|rmse"}
+LOWER_IS_BETTER = ("loss", "mae", "mse", "rmse")
+
+
+def epoch_metrics(cfg: dict) -> tuple[str, ...]:
+    """What every epoch reports for this config: the losses, ``val_<metric>`` per task metric, counters."""
+    return (*LOSSES, *(f"val_{name}" for name in cfg["task"]["metrics"]), *COUNTERS)
+
+
+def lower_is_better(metric: str) -> bool:
+    """Losses and errors improve downwards; accuracies and throughput upwards."""
+    return metric.endswith(LOWER_IS_BETTER)
+
+
+def feature_key(source: dict) -> str:
+    """The column the model takes: ``source.feature_column``, or ``features`` when that is a list of
+    numeric columns (stacked into one vector per row)."""
+    return "features" if isinstance(source["feature_column"], list) else source["feature_column"]
 
 
 class PipelineError(Exception):
@@ -58,8 +72,11 @@ class SourceConfig:
     root: str = "${oc.env:PIPELINE_DATA_DIR,data}"  # data root; relative paths resolve against the cwd
     train: str = MISSING  # parquet directory, file or glob
     valid: str = MISSING
-    feature_column: str = "image"
+    # the model's input: one column (encoded images, or a list/array of numbers per row), or a list of
+    # numeric columns, stacked into one float32 vector per row (tables)
+    feature_column: Any = "image"
     label_column: str = "label"
+    num_classes: Optional[int] = None  # classification: labels must be 0..num_classes-1 (checked before training)
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
     reader_v2: bool = False  # Ray Data's V2 parquet reader (starts footer-reader actors: slower to start)
@@ -92,7 +109,7 @@ class TrainConfig:
     amp_dtype: str = "bfloat16"  # bfloat16 or float16 (float16 adds a GradScaler)
     num_to_keep: Optional[int] = None  # best checkpoints kept (the latest is always kept too); null keeps all
     checkpoint_metric: Optional[str] = None  # what "best" means, e.g. val_accuracy; null: the most recent
-    checkpoint_mode: str = "max"  # max or min of checkpoint_metric
+    checkpoint_mode: Optional[str] = None  # max or min of checkpoint_metric; null: min for losses and errors
     max_failures: int = 0  # worker-group restarts from the latest checkpoint before the run fails; -1: no limit
     resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
 
@@ -122,7 +139,23 @@ class IngestConfig:
     preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost
     # uint8 pixels travel as they are (a quarter of float32's bytes) and become (x/255 - mean) / std on the
     # training device; null: features reach the model as they are
-    normalize: Optional[NormalizeConfig] = field(default_factory=NormalizeConfig)
+    normalize: Optional[NormalizeConfig] = field(default_factory=NormalizeConfig)  # (uint8 features only)
+    # each row in a new seeded order every epoch, whatever the file layout (class-sorted files included);
+    # costs some ingest speed (README, Performance)
+    shuffle: bool = True
+    # scale float features by the training split's per-feature mean and std (computed before training,
+    # saved with the run and applied by predict too): for tables of numbers
+    standardize: bool = False
+
+
+@dataclass
+class TaskConfig:
+    """What the model learns, which sets the loss, the metrics and what a prediction is (conf/task/)."""
+
+    type: str = "classification"  # classification (integer labels) or regression (numeric labels)
+    loss: Any = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})  # any torch loss module
+    # reported as val_<name>: classification accuracy, topK_accuracy (top5_accuracy); regression mae, mse, rmse
+    metrics: list[str] = field(default_factory=lambda: ["accuracy"])
 
 
 @dataclass
@@ -172,6 +205,7 @@ class StorageConfig:
 class PipelineConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: Any = MISSING
     optim: Any = MISSING
     scheduler: Optional[Any] = None
@@ -184,7 +218,7 @@ class PipelineConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     stage: str = "train"  # train, or predict with a trained run's model (the predict section)
     predict: PredictConfig = field(default_factory=PredictConfig)
-    optimized_metric: str = "val_accuracy"  # what the entry point returns to a sweeper (Optuna)
+    optimized_metric: str = "val_${task.metrics[0]}"  # what the entry point returns to a sweeper (Optuna)
 
 
 def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
@@ -303,13 +337,38 @@ def validate(cfg: dict) -> None:
 
 
 def check_targets(cfg: dict) -> None:
-    """Import the model's, optimizer's and scheduler's ``_target_`` and check their arguments bind
+    """Import the model's, loss's, optimizer's and scheduler's ``_target_`` and check their arguments bind
     (transforms are checked with the values, ``source.download`` where it runs). The imports are
     what costs here (the model's: torchvision), so a run does this while Ray starts."""
     check_target(cfg["model"], "model")
+    check_target(cfg["task"]["loss"], "task.loss")
     check_target(cfg["optim"], "optim", runtime_args=("params",))
     if cfg["scheduler"] is not None:
         check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
+
+
+def check_task(task: dict, source: dict) -> None:
+    """The task type and its metrics, the label's class count, and the feature column's form."""
+    _require(
+        task["type"] in TASK_METRICS,
+        f"task.type must be one of {', '.join(TASK_METRICS)}, got {task['type']!r}.",
+    )
+    pattern = TASK_METRICS[task["type"]]
+    for name in task["metrics"]:
+        _require(
+            re.fullmatch(pattern, name) is not None,
+            f"task.metrics: {name!r} is not a {task['type']} metric; choose from {pattern.replace('|', ', ')} "
+            "(topK_accuracy for any K, e.g. top5_accuracy).",
+        )
+    _require(len(task["metrics"]) >= 1, "task.metrics needs at least one metric.")
+    classes = source["num_classes"]
+    _require(classes is None or classes >= 2, f"source.num_classes must be >= 2 or null, got {classes}.")
+    features = source["feature_column"]
+    _require(
+        isinstance(features, str)
+        or (isinstance(features, list) and features and all(isinstance(f, str) for f in features)),
+        f"source.feature_column must be a column name or a non-empty list of column names, got {features!r}.",
+    )
 
 
 def check_values(cfg: dict) -> None:
@@ -330,20 +389,21 @@ def check_values(cfg: dict) -> None:
                 spec["concurrency"] is None or spec["concurrency"] >= 1,
                 f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
             )
+    check_task(cfg["task"], cfg["source"])
+    metrics = epoch_metrics(cfg)
     _require(
-        cfg["optimized_metric"] in EPOCH_METRICS,
-        f"optimized_metric must be one of {', '.join(EPOCH_METRICS)}, got {cfg['optimized_metric']!r}.",
+        cfg["optimized_metric"] in metrics,
+        f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",
     )
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
     _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
     _require(
-        train["checkpoint_metric"] in (None, *EPOCH_METRICS),
-        f"train.checkpoint_metric must be null or one of {', '.join(EPOCH_METRICS)}, "
-        f"got {train['checkpoint_metric']!r}.",
+        train["checkpoint_metric"] in (None, *metrics),
+        f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train['checkpoint_metric']!r}.",
     )
     _require(
-        train["checkpoint_mode"] in ("max", "min"),
-        f"train.checkpoint_mode must be max or min, got {train['checkpoint_mode']!r}.",
+        train["checkpoint_mode"] in (None, "max", "min"),
+        f"train.checkpoint_mode must be max, min or null, got {train['checkpoint_mode']!r}.",
     )
     _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
     _require(

@@ -25,11 +25,18 @@ def quiet_libraries() -> None:
 
 
 def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
+    """One line per epoch: losses, the task's validation metrics, throughput and data wait."""
+    task = "".join(f"{key} {value:.4f}  " for key, value in metrics.items() if is_task_metric(key))
     return (
         f"epoch {epoch + 1}/{epochs}  train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-        f"val_accuracy {metrics['val_accuracy']:.4f}  train_throughput {metrics['train_throughput']:,.0f} samples/s  "
+        f"{task}train_throughput {metrics['train_throughput']:,.0f} samples/s  "
         f"data_wait {metrics['data_wait_fraction']:.0%}"
     )
+
+
+def is_task_metric(key: str) -> bool:
+    """``val_accuracy``, ``val_mae``, ...: a validation metric of the task, not a loss or a row count."""
+    return key.startswith("val_") and key not in ("val_loss", "val_rows")
 
 
 class Progress:

@@ -8,6 +8,7 @@ the job is an MLflow run nested under the training run, with accuracy when the s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -25,13 +26,16 @@ from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
 from pipeline import cluster, console, preprocess, source, tracking, trainer, worker
-from pipeline.config import PipelineError, validate
+from pipeline.config import PipelineError, feature_key, validate
 from pipeline.filesystems import locate
+from pipeline.task import Task, prediction_metrics
 
 log = logging.getLogger(__name__)
 STAGE_TAG = "pipeline.stage"
 PREDICTIONS_TAG = "pipeline.predictions"  # where the run's predictions are
 MODEL_ARTIFACT = "model/state_dict.pt"
+STATISTICS_ARTIFACT = tracking.STATISTICS_ARTIFACT
+NOT_TASK_METRICS = ("predict_rows", "predict_throughput")
 
 
 class Predictor:
@@ -40,8 +44,10 @@ class Predictor:
     def __init__(
         self,
         model_cfg: dict,
+        task_cfg: dict,
         weights: list,
         normalize: dict | None,
+        statistics: dict | None,
         feature: str,
         label: str | None,
         use_gpu: bool,
@@ -51,20 +57,17 @@ class Predictor:
         model = instantiate(model_cfg, _convert_="all")
         model.load_state_dict(ray.get(weights[0]))  # [ObjectRef]: fetched here, from the object store
         self.model = model.to(self.device).eval()
+        self.task = Task(task_cfg)
         self.autocast, _ = worker.autocast_settings(self.device, train_cfg)
-        self.scaling = worker.pixel_scaling(normalize, self.device) if normalize else None
+        self.scale = worker.feature_scaler(normalize, statistics, self.device)  # as training scaled them
         self.feature, self.label = feature, label
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        features = torch.as_tensor(batch[self.feature], device=self.device)
-        if self.scaling is not None:
-            scale, shift = self.scaling
-            features = features.float() * scale + shift
+        features = self.scale(torch.as_tensor(batch[self.feature], device=self.device))
         with self.autocast:
-            logits = self.model(features)
-        confidence, prediction = torch.softmax(logits.float(), dim=1).max(dim=1)
-        out = {"path": batch["path"], "prediction": prediction.cpu().numpy(), "confidence": confidence.cpu().numpy()}
+            outputs = self.model(features)
+        out = {"path": batch["path"], **self.task.predict(outputs)}
         if self.label is not None:
             out[self.label] = batch[self.label]
         return out
@@ -112,9 +115,10 @@ def trained_run(client, experiment: str, name_or_id: str | None):
     )
 
 
-def load_weights(client, run, checkpoint: str | None) -> dict:
-    """The model's state dict, from ``checkpoint`` (a pipeline checkpoint.pt, its directory, or a bare
-    state dict) or else the run's logged model; always ``weights_only``."""
+def load_weights(client, run, checkpoint: str | None) -> tuple[dict, dict | None]:
+    """The model's state dict and the feature statistics training standardized with (None when it did
+    not), from ``checkpoint`` (a pipeline checkpoint.pt, its directory, or a bare state dict) or else
+    the run's logged model and ``feature_statistics.json``; always ``weights_only``."""
     with tempfile.TemporaryDirectory() as tmp:
         if checkpoint is None:
             try:
@@ -131,7 +135,13 @@ def load_weights(client, run, checkpoint: str | None) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, pickle.UnpicklingError) as err:
             raise PipelineError(f"predict: cannot load weights from {path} ({err}).") from err
-    return state["model"] if "model" in state and "optimizer" in state else state
+        if "model" in state and "optimizer" in state:  # a pipeline checkpoint
+            return state["model"], state.get("feature_statistics")
+        statistics = None
+        if run is not None and any(a.path == STATISTICS_ARTIFACT for a in client.list_artifacts(run.info.run_id)):
+            with open(client.download_artifacts(run.info.run_id, STATISTICS_ARTIFACT, tmp)) as file:
+                statistics = json.load(file)
+    return state, statistics
 
 
 def check_output(uri: str, s3: dict) -> None:
@@ -145,14 +155,15 @@ def check_output(uri: str, s3: dict) -> None:
     fs.create_dir(path, recursive=True)
 
 
-def score(uri: str, s3: dict, label: str | None, seconds: float) -> dict:
-    """Rows, rows/s and, with labels, accuracy, read back from the written predictions."""
+def score(uri: str, s3: dict, label: str | None, task_metrics: list[str], seconds: float) -> dict:
+    """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...),
+    read back from the written predictions."""
     fs, path = locate(uri, s3, "predict.output")
     table = pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
     metrics = {"predict_rows": table.num_rows, "predict_throughput": table.num_rows / seconds}
     if label is not None and table.num_rows:
-        predicted, actual = table["prediction"].to_numpy(), table[label].to_numpy()
-        metrics["predict_accuracy"] = float(np.mean(predicted == actual))
+        found = prediction_metrics(task_metrics, table["prediction"].to_numpy(), table[label].to_numpy())
+        metrics |= {f"predict_{name}": value for name, value in found.items()}
     return metrics
 
 
@@ -172,9 +183,10 @@ def run(cfg: dict, job) -> dict:
                 "to take a trained run from; train first, or give predict.checkpoint=PATH."
             )
         model_run = trained_run(client, found.experiment_id, predict["run"])
-    model_cfg = tracking.logged_config(client, model_run.info.run_id)["model"] if model_run else cfg["model"]
-    weights = load_weights(client, model_run, predict["checkpoint"])
-    split = source.check_split("predict.source", predict["source"], [src["feature_column"]], src["s3"])
+    trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
+    model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
+    weights, statistics = load_weights(client, model_run, predict["checkpoint"])
+    split = source.check_split("predict.source", predict["source"], source.input_columns(src), src["s3"])
     label = src["label_column"] if src["label_column"] in split.columns else None
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
@@ -191,14 +203,17 @@ def run(cfg: dict, job) -> dict:
     client.set_tag(run_id, STAGE_TAG, "predict")
     client.set_tag(run_id, PREDICTIONS_TAG, output)
     tracking.log_config(client, run_id, cfg)
+    tracking.log_data(client, run_id, {"prediction": split}, None)
     with tracking.recorded(client, run_id):
-        columns = [src["feature_column"]] + ([label] if label else []) + ["path"]
+        columns = [feature_key(src)] + ([label] if label else []) + ["path"]
         rows = preprocess.dataset(split, cfg["transforms"]["valid"], columns, src)
         predictor = {
             "model_cfg": model_cfg,
+            "task_cfg": task_cfg,
             "weights": [ray.put(weights)],
             "normalize": cfg["ingest"]["normalize"],
-            "feature": src["feature_column"],
+            "statistics": statistics,
+            "feature": feature_key(src),
             "label": label,
             "use_gpu": cfg["scaling"]["use_gpu"],
             "train_cfg": cfg["train"],
@@ -215,12 +230,8 @@ def run(cfg: dict, job) -> dict:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
             raise PipelineError(f"prediction failed: {trainer.root_cause(err)}") from err
-        metrics = score(output, src["s3"], label, time.perf_counter() - started)
+        metrics = score(output, src["s3"], label, task_cfg["metrics"], time.perf_counter() - started)
         tracking.log_metrics(client, run_id, metrics, step=0)
-    log.info(
-        "predicted %d rows%s; written to %s",
-        metrics["predict_rows"],
-        f", accuracy {metrics['predict_accuracy']:.4f}" if "predict_accuracy" in metrics else "",
-        tracking.redact(output),
-    )
+    found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
+    log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, tracking.redact(output))
     return metrics

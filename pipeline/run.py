@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import ray
 
 from pipeline import cluster, console, preprocess, source, tracking, trainer
-from pipeline.config import EPOCH_METRICS, PipelineError, active_steps, check_targets, check_values
+from pipeline.config import PipelineError, active_steps, check_targets, check_values
 from pipeline.tracking import Tracker
 from pipeline.worker import CHECKPOINT_FILE
 
@@ -62,6 +62,7 @@ def run(cfg: dict, job: Job) -> dict:
         tracker = Tracker.open(cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
+            tracker.log_data(splits, data.statistics)
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
@@ -73,12 +74,14 @@ def run(cfg: dict, job: Job) -> dict:
                     tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
     finally:
         ray.kill(data.epoch_counter)
+    metric = cfg["optimized_metric"]
     log.info(
-        "finished: val_accuracy %.4f; browse with: mlflow ui --backend-store-uri %s",
-        tracker.last["val_accuracy"],
+        "finished: %s %.4f; browse with: mlflow ui --backend-store-uri %s",
+        metric,
+        tracker.last[metric],
         tracking.redact(tracker.uri),
     )
-    return {k: tracker.last[k] for k in EPOCH_METRICS}
+    return {k: tracker.last[k] for k in tracker.metrics}
 
 
 @contextmanager

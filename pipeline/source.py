@@ -8,13 +8,16 @@ starts a worker.
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
+import json
 import os
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -30,14 +33,31 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 class Split:
     """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on."""
 
+    uri: str  # as the config names it
     files: list[str]
     rows: int
     filesystem: pafs.FileSystem
-    columns: list[str]  # the last file's schema (every file has the required columns)
+    schema: pa.Schema  # the last file's (every file has the required columns)
+    digest: str  # of the file list and footers: changes when the data does
 
     @property
     def local(self) -> bool:
         return isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    @property
+    def columns(self) -> list[str]:
+        return self.schema.names
+
+    def vector_column(self, name: str) -> bool:
+        """Whether column ``name`` holds a list or array of numbers per row (a table's features)."""
+        kind = self.schema.field(name).type
+        return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def input_columns(source: dict) -> list[str]:
+    """The columns the model's input is made from: ``source.feature_column``, one name or several."""
+    features = source["feature_column"]
+    return list(features) if isinstance(features, list) else [features]
 
 
 def parquet_files(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -72,9 +92,11 @@ def _missing(key: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineErro
     )
 
 
-def check_split(key: str, uri: str, columns: list[str], s3: dict) -> Split:
+def check_split(key: str, uri: str, columns: list[str], s3: dict, num_classes: int | None = None) -> Split:
     """Find the files ``uri`` names and count their rows from the footers, or fail naming the config key
-    (``source.train``), the path, file or column."""
+    (``source.train``), the path, file or column. With ``num_classes``, the last of ``columns`` holds
+    class labels, which must lie in ``[0, num_classes)`` (checked from the footers' statistics where
+    the files have them, else by reading that one column)."""
     fs, path = locate(uri, s3, key)
     try:
         files = parquet_files(fs, path)
@@ -84,7 +106,7 @@ def check_split(key: str, uri: str, columns: list[str], s3: dict) -> Split:
         if is_s3(uri):
             raise s3_error(key, uri, err) from err
         raise PipelineError(f"{key}: cannot list {path} ({err}).") from err
-    rows = 0
+    rows, digest = 0, hashlib.sha256()
     for file in files:
         try:
             footer = pq.ParquetFile(file, filesystem=fs)  # one footer read (one request on S3)
@@ -97,7 +119,35 @@ def check_split(key: str, uri: str, columns: list[str], s3: dict) -> Split:
                 f"{key}: {file} has no column {', '.join(map(repr, missing))} "
                 f"(it has {', '.join(schema.names)}). Set source.feature_column / source.label_column."
             )
-    return Split(files, rows, fs, schema.names)
+        if num_classes is not None:
+            check_labels(key, file, footer, columns[-1], num_classes)
+        digest.update(json.dumps([file, footer.metadata.to_dict()], sort_keys=True, default=str).encode())
+    return Split(uri, files, rows, fs, schema, digest.hexdigest()[:16])
+
+
+def check_labels(key: str, file: str, footer: pq.ParquetFile, label: str, num_classes: int) -> None:
+    """Class labels in ``[0, num_classes)``: the footers' min/max statistics answer without reading data;
+    a file without them, or with a label out of range, has its label column read to name the row."""
+    kind = footer.schema_arrow.field(label).type
+    if not pa.types.is_integer(kind):
+        raise PipelineError(
+            f"{key}: {file} column {label!r} holds {kind}, not integer class labels; a classification task "
+            "needs labels 0..source.num_classes-1 (numbers to predict: task=regression source.num_classes=null)."
+        )
+    index = footer.schema_arrow.names.index(label)
+    meta = footer.metadata
+    stats = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+    known = all(s is not None and s.has_min_max and s.null_count == 0 for s in stats)
+    if known and all(s.min >= 0 and s.max < num_classes for s in stats):
+        return
+    values = footer.read(columns=[label]).column(label).to_numpy(zero_copy_only=False)
+    bad = np.flatnonzero(np.isnan(values.astype(float)) | (values < 0) | (values >= num_classes))
+    if len(bad):
+        raise PipelineError(
+            f"{key}: {file} row {bad[0]} has label {values[bad[0]]} in column {label!r}, outside [0, {num_classes}) "
+            f"({len(bad)} such row(s) in this file). Set source.num_classes to the number of classes (labels "
+            "must run from 0 to num_classes-1), or fix the labels."
+        )
 
 
 def prepare(source: dict) -> dict[str, Split]:
@@ -105,7 +155,7 @@ def prepare(source: dict) -> dict[str, Split]:
 
     Row counts come back already capped by ``source.limit``.
     """
-    columns = [source["feature_column"], source["label_column"]]
+    columns = [*input_columns(source), source["label_column"]]
     downloadable = source["download"] is not None and not any(is_s3(source[s]) for s in SPLITS)
     if downloadable and not all(parquet_files(*locate(source[s], source["s3"], f"source.{s}")) for s in SPLITS):
         from hydra.utils import instantiate
@@ -113,7 +163,10 @@ def prepare(source: dict) -> dict[str, Split]:
         check_target(source["download"], "source.download", runtime_args=("root",))
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
-    checked = {split: check_split(f"source.{split}", source[split], columns, source["s3"]) for split in SPLITS}
+    checked = {
+        split: check_split(f"source.{split}", source[split], columns, source["s3"], source["num_classes"])
+        for split in SPLITS
+    }
     limit = source["limit"]
     for split in checked.values():
         split.rows = split.rows if limit is None else min(split.rows, limit)
@@ -144,10 +197,8 @@ def read(split: Split, columns: list[str], source: dict, placement: dict | None 
 
 
 def download_cifar10(root: str, url: str = CIFAR10_URL, timeout_s: float = 30.0) -> None:
-    """Fetch CIFAR-10 with torchvision and write it as ``<root>/cifar10/{train,test}/*.parquet``.
-
-    Rows become JPEG bytes (quality 95) + int label, the layout of the shared parquet copy.
-    """
+    """Fetch CIFAR-10 with torchvision and write it as ``<root>/cifar10/{train,test}/part-*.parquet``,
+    5,000 rows a file: JPEG bytes (quality 95) + int label."""
     import socket
     import urllib.error
 
@@ -170,12 +221,41 @@ def download_cifar10(root: str, url: str = CIFAR10_URL, timeout_s: float = 30.0)
         finally:
             socket.setdefaulttimeout(previous)
         for name, dataset in splits.items():
-            out = target / name
-            out.mkdir(parents=True, exist_ok=True)
             images = []
             for array in dataset.data:
                 buffer = io.BytesIO()
                 Image.fromarray(array).save(buffer, format="JPEG", quality=95)
                 images.append(buffer.getvalue())
             table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(dataset.targets, pa.int64())})
-            pq.write_table(table, out / "part-00000.parquet", row_group_size=1000, compression="none")
+            write_parts(table, target / name, rows_per_file=5000)
+
+
+def write_parts(table: pa.Table, directory: Path, rows_per_file: int) -> None:
+    """``table`` as ``part-NNNNN.parquet`` files of ``rows_per_file`` rows (row groups of 1,000), so Ray
+    Data reads and transforms a split in several tasks at once (one per file)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for number, start in enumerate(range(0, table.num_rows, rows_per_file)):
+        part = table.slice(start, rows_per_file)
+        pq.write_table(part, directory / f"part-{number:05d}.parquet", row_group_size=1000, compression="none")
+
+
+def write_sklearn(root: str, name: str, valid_fraction: float = 0.2, seed: int = 0, vector: bool = False) -> None:
+    """Write one of scikit-learn's bundled datasets (``sklearn.datasets.load_<name>``, shipped with the
+    package: nothing is downloaded) as ``<root>/<name>/{train,valid}/*.parquet``: a float column per
+    feature, named as scikit-learn names it (or, with ``vector``, one list column ``features``), and
+    ``target``. Rows are split at random (``seed``) into training and validation."""
+    from sklearn import datasets
+
+    try:
+        bunch = getattr(datasets, f"load_{name}")()
+    except AttributeError as err:
+        raise PipelineError(f"source.download.name: scikit-learn has no bundled dataset load_{name}.") from err
+    order = np.random.default_rng(seed).permutation(len(bunch.target))
+    valid_rows = round(len(order) * valid_fraction)
+    if vector:
+        features = {"features": pa.array(list(bunch.data.astype(np.float32)), pa.list_(pa.float32()))}
+    else:
+        features = {column: bunch.data[:, i] for i, column in enumerate(bunch.feature_names)}
+    table = pa.table({**features, "target": bunch.target})
+    for split, rows in (("valid", order[:valid_rows]), ("train", order[valid_rows:])):
+        write_parts(table.take(rows), Path(root) / name / split, rows_per_file=len(rows))

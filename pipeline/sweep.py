@@ -20,7 +20,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import console, tracking
-from pipeline.config import PipelineError
+from pipeline.config import PipelineError, lower_is_better
 
 log = logging.getLogger("pipeline")
 
@@ -43,8 +43,8 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
 
 
 def better(metric: str) -> int:
-    """+1 when a larger value of ``metric`` is better, -1 for losses."""
-    return -1 if metric.endswith("loss") else 1
+    """+1 when a larger value of ``metric`` is better, -1 for losses and errors."""
+    return -1 if lower_is_better(metric) else 1
 
 
 def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[list[dict], dict | None]:

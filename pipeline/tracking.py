@@ -7,7 +7,9 @@ leaks between the jobs of a sweep or into worker processes.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -17,15 +19,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow as pa
 import requests
 import torch
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
+from mlflow.types import ColSpec, Schema
+from mlflow.types.schema import Array, Object, Property
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-from pipeline.config import EPOCH_METRICS, PipelineError
+from pipeline.config import LOSSES, PipelineError, epoch_metrics
 
 log = logging.getLogger(__name__)
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -37,6 +42,7 @@ SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
+STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 
 
@@ -212,16 +218,58 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> 
 
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
     """Epochs whose metrics the run already holds (a resumed run continues after them)."""
-    return {m.step for m in client.get_metric_history(run_id, EPOCH_METRICS[0])}
+    return {m.step for m in client.get_metric_history(run_id, LOSSES[0])}
 
 
-def epoch_history(client: MlflowClient, run_id: str) -> list[dict]:
-    """Every logged epoch's metrics from the store, in epoch order (all attempts of a resumed run)."""
+def epoch_history(client: MlflowClient, run_id: str, keys: tuple[str, ...]) -> list[dict]:
+    """Every logged epoch's ``keys`` from the store, in epoch order (all attempts of a resumed run)."""
     by_epoch: dict[int, dict] = {}
-    for key in EPOCH_METRICS:
+    for key in keys:
         for metric in client.get_metric_history(run_id, key):
             by_epoch.setdefault(metric.step, {"epoch": metric.step})[key] = metric.value
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
+def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict | None) -> None:
+    """Each split as an MLflow dataset input (the UI's Dataset column): its URI, schema, rows, files and a
+    digest of the file list and footers, so two runs on different data are told apart; with
+    ``ingest.standardize``, the features' statistics as ``feature_statistics.json``."""
+    inputs = []
+    for name, split in splits.items():
+        schema = Schema([ColSpec(mlflow_type(field.type), field.name) for field in split.schema])
+        dataset = Dataset(
+            name=f"{os.path.basename(os.path.dirname(split.uri.rstrip('/')))}/{os.path.basename(split.uri.rstrip('/'))}",
+            digest=split.digest,
+            source_type="s3" if split.uri.startswith("s3://") else "local",
+            source=json.dumps({"uri": redact(split.uri)}),
+            schema=json.dumps({"mlflow_colspec": schema.to_dict()}),
+            profile=json.dumps({"num_rows": split.rows, "num_files": len(split.files)}),
+        )
+        context = InputTag(MLFLOW_DATASET_CONTEXT, {"train": "training", "valid": "validation"}.get(name, name))
+        inputs.append(DatasetInput(dataset, [context]))
+    client.log_inputs(run_id, datasets=inputs)
+    if statistics is not None:
+        client.log_dict(run_id, statistics, STATISTICS_ARTIFACT)
+
+
+def mlflow_type(kind: pa.DataType):
+    """The MLflow schema type of an Arrow type (lists and structs included)."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return Array(mlflow_type(kind.value_type))
+    if pa.types.is_struct(kind):
+        return Object([Property(field.name, mlflow_type(field.type)) for field in kind])
+    for test, name in (
+        (pa.types.is_boolean, "boolean"),
+        (pa.types.is_int32, "integer"),
+        (pa.types.is_integer, "long"),
+        (pa.types.is_float32, "float"),
+        (pa.types.is_floating, "double"),
+        (lambda k: pa.types.is_binary(k) or pa.types.is_large_binary(k), "binary"),
+        (pa.types.is_timestamp, "datetime"),
+    ):
+        if test(kind):
+            return name
+    return "string"
 
 
 def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
@@ -233,24 +281,24 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
         client.log_artifact(run_id, path, "model")
 
 
-def log_learning_curve(client: MlflowClient, run_id: str) -> None:
-    """``learning_curve.png``: train/val loss and val accuracy against epoch, as the store holds them."""
+def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
+    """``learning_curve.png``: train/val loss and the task's first metric against epoch, as the store holds them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    history = epoch_history(client, run_id)
+    history = epoch_history(client, run_id, (*LOSSES, metric))
     epochs = [m["epoch"] + 1 for m in history]
     fig, loss_axis = plt.subplots(figsize=(6, 4))
     loss_axis.plot(epochs, [m["train_loss"] for m in history], "o-", label="train_loss")
     loss_axis.plot(epochs, [m["val_loss"] for m in history], "s-", label="val_loss")
     loss_axis.set_xlabel("epoch")
     loss_axis.set_ylabel("loss")
-    accuracy_axis = loss_axis.twinx()
-    accuracy_axis.plot(epochs, [m["val_accuracy"] for m in history], "^-", color="tab:green", label="val_accuracy")
-    accuracy_axis.set_ylabel("accuracy")
-    handles = loss_axis.get_legend_handles_labels()[0] + accuracy_axis.get_legend_handles_labels()[0]
+    metric_axis = loss_axis.twinx()
+    metric_axis.plot(epochs, [m.get(metric, math.nan) for m in history], "^-", color="tab:green", label=metric)
+    metric_axis.set_ylabel(metric.removeprefix("val_"))
+    handles = loss_axis.get_legend_handles_labels()[0] + metric_axis.get_legend_handles_labels()[0]
     loss_axis.legend(handles, [h.get_label() for h in handles], loc="center right")
     loss_axis.set_xticks(epochs)
     fig.tight_layout()
@@ -289,8 +337,11 @@ class Tracker:
     to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
     state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
 
-    def __init__(self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float):
+    def __init__(
+        self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float, metrics: tuple
+    ):
         self.client, self.uri, self.run_id = client, uri, run_id
+        self.metrics = metrics  # what each epoch reports (config.epoch_metrics)
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(client, run_id)  # a resumed run holds its first epochs already
@@ -307,12 +358,12 @@ class Tracker:
         experiment = experiment_id(client, uri, name, cfg["paths"]["outputs"])
         if cfg["train"]["resume"]:
             run_id, resume_from = reopen_run(client, experiment, cfg["tracking"]["run_name"])
-            return cls(client, uri, run_id, resume_from, job.started_at)
+            return cls(client, uri, run_id, resume_from, job.started_at, epoch_metrics(cfg))
         parent = sweep_parent(client, experiment, job.sweep_dir) if job.sweep_dir else None
         run_name = cfg["tracking"]["run_name"] or job.run_name
         run_id = start_run(client, experiment, run_name, parent, job.overrides, CODE_DIR)
         log_config(client, run_id, cfg)
-        return cls(client, uri, run_id, None, job.started_at)
+        return cls(client, uri, run_id, None, job.started_at, epoch_metrics(cfg))
 
     def set_storage(self, uri: str) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
@@ -330,7 +381,7 @@ class Tracker:
         if epoch in self.logged:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
-        log_metrics(self.client, self.run_id, {k: metrics[k] for k in EPOCH_METRICS}, epoch)
+        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch)
         skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
         if skipped:
             self.client.log_metric(self.run_id, "skipped_rows", skipped, step=epoch)
@@ -349,10 +400,15 @@ class Tracker:
     def log_model(self, checkpoint_file: str) -> None:
         log_model(self.client, self.run_id, checkpoint_file)
 
+    def log_data(self, splits: dict, statistics: dict | None) -> None:
+        """What the run trains and validates on (a resumed run logged it on its first start)."""
+        if self.resume_from is None:
+            log_data(self.client, self.run_id, splits, statistics)
+
     def end(self, status: str, error: BaseException | None = None) -> None:
         """The learning curve, if any epoch was logged, then the end state."""
         if self.logged:
-            log_learning_curve(self.client, self.run_id)
+            log_learning_curve(self.client, self.run_id, self.metrics[len(LOSSES)])  # the task's first metric
         end_run(self.client, self.run_id, status, error)
 
     def __enter__(self) -> Tracker:

@@ -29,7 +29,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from pipeline import console
-from pipeline.config import PipelineError
+from pipeline.config import PipelineError, lower_is_better
 from pipeline.filesystems import is_s3, locate, s3_error
 from pipeline.preprocess import TrainingData
 from pipeline.tracking import Tracker
@@ -131,7 +131,13 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "events": events, "epoch_counter": data.epoch_counter, "steps_per_epoch": steps},
+        train_loop_config={
+            "cfg": cfg,
+            "events": events,
+            "epoch_counter": data.epoch_counter,
+            "statistics": data.statistics,
+            "steps_per_epoch": steps,
+        },
         scaling_config=scaling_config,
         torch_config=torch_config,
         datasets=data.datasets,
@@ -143,12 +149,20 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg["train"]["num_to_keep"],
                 checkpoint_score_attribute=cfg["train"]["checkpoint_metric"],
-                checkpoint_score_order=cfg["train"]["checkpoint_mode"],
+                checkpoint_score_order=checkpoint_mode(cfg["train"]),
             ),
             failure_config=FailureConfig(max_failures=cfg["train"]["max_failures"]),
             callbacks=[ReportRelay(events)],
         ),
     )
+
+
+def checkpoint_mode(train: dict) -> str:
+    """``train.checkpoint_mode``, or, when null, min for a loss or an error metric and max otherwise."""
+    if train["checkpoint_mode"] is not None:
+        return train["checkpoint_mode"]
+    metric = train["checkpoint_metric"]
+    return "min" if metric is not None and lower_is_better(metric) else "max"
 
 
 def fit(cfg: dict, data: TrainingData, storage: RunStorage, tracker: Tracker, run_dir: str) -> ray.train.Result:
@@ -212,7 +226,7 @@ class Handler:
 
 def check_ranks_agree(ranks: list[dict]) -> None:
     """DDP replicas must hold identical weights and, after the all-reduce, identical metrics."""
-    for key in ("weights_sha256", "val_loss", "val_accuracy"):
+    for key in ("weights_sha256", "val_loss", *filter(console.is_task_metric, ranks[0])):
         values = {r[key] for r in ranks}
         if len(values) > 1:
             raise PipelineError(f"training workers disagree on {key} after epoch {ranks[0]['epoch']}: {values}.")

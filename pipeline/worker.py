@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from pipeline.config import feature_key
+from pipeline.task import Task, finish
+
 CHECKPOINT_FILE = "checkpoint.pt"
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 
@@ -42,8 +45,10 @@ def train_loop_per_worker(config: dict) -> None:
     start, epochs = (state["epoch"] + 1 if state else 0), cfg["train"]["epochs"]
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
-    first_batches = prefetched(train_batches(cfg, start, epoch_counter, device, world_size)) if start < epochs else ()
-    replica = Replica.build(cfg, device, total_steps=epochs * config["steps_per_epoch"])
+    statistics = config["statistics"]  # the features' mean and std, with ingest.standardize
+    first = train_batches(cfg, start, epoch_counter, statistics, device, world_size) if start < epochs else ()
+    first_batches = prefetched(first)
+    replica = Replica.build(cfg, device, epochs * config["steps_per_epoch"], statistics)
     if state is not None:
         replica.load_state_dict(state)
         if rank == 0:  # the driver counts every restore
@@ -51,9 +56,13 @@ def train_loop_per_worker(config: dict) -> None:
     progress = (lambda event: events.put(("progress", event))) if rank == 0 else None
 
     for epoch in range(start, epochs):
-        batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
+        batches = (
+            first_batches
+            if epoch == start
+            else train_batches(cfg, epoch, epoch_counter, statistics, device, world_size)
+        )
         metrics = train_epoch(replica, batches, cfg, epoch, progress)
-        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
+        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
         metrics |= evaluate(replica, valid, cfg)
         metrics |= {"epoch": epoch, "rank": rank, "weights_sha256": weights_digest(replica.module)}
         report(metrics, replica, epoch, rank)
@@ -68,10 +77,12 @@ class Replica:
     scheduler: Any  # a torch LR scheduler stepped per batch, or None
     scaler: torch.amp.GradScaler
     autocast: torch.autocast
+    task: Task  # the loss and metrics
+    statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
 
     @classmethod
-    def build(cls, cfg: dict, device: torch.device, total_steps: int) -> Replica:
-        """The configured model, optimizer and schedule, seeded with ``train.seed`` (every rank alike)."""
+    def build(cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None) -> Replica:
+        """The configured model, loss, optimizer and schedule, seeded with ``train.seed`` (every rank alike)."""
         torch.manual_seed(cfg["train"]["seed"])
         model = ray.train.torch.prepare_model(instantiate(cfg["model"], _convert_="all"))
         optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
@@ -79,7 +90,7 @@ class Replica:
         if cfg["scheduler"] is not None:
             scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
         autocast, scaler = autocast_settings(device, cfg["train"])
-        return cls(model, optimizer, scheduler, scaler, autocast)
+        return cls(model, optimizer, scheduler, scaler, autocast, Task(cfg["task"]), statistics)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -101,6 +112,7 @@ class Replica:
             "scaler": self.scaler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "epoch": epoch,
+            "feature_statistics": self.statistics,  # predict standardizes features with these
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -117,7 +129,7 @@ class Replica:
 
 def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, progress) -> dict:
     """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers."""
-    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
+    features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
     replica.model.train()
     device = next(replica.model.parameters()).device
     # Sums stay on the device: a .item() per step would stall a GPU on every batch.
@@ -125,7 +137,7 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
     clock = WaitClock()
     for step, batch in enumerate(clock.wrap(batches), start=1):
         with replica.autocast:
-            loss = torch.nn.functional.cross_entropy(replica.model(batch[features]), batch[labels])
+            loss = replica.task.loss(replica.model(batch[features]), batch[labels])
         replica.step(loss)
         loss_sum += loss.detach().double() * len(batch[labels])
         seen += len(batch[labels])
@@ -144,20 +156,22 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
 
 @torch.no_grad()
 def evaluate(replica: Replica, batches: Iterable[dict], cfg: dict) -> dict:
-    """Loss and accuracy over every worker's shard: sums and counts are all-reduced, then divided."""
-    features, labels = cfg["source"]["feature_column"], cfg["source"]["label_column"]
-    model = replica.module.eval()
+    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
+    features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
+    model, task = replica.module.eval(), replica.task
     device = next(model.parameters()).device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct, count = torch.zeros((), dtype=torch.int64, device=device), 0
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in ("loss", *task.metrics)}
+    count = 0
     for batch in batches:
         with replica.autocast:
-            logits = model(batch[features])
-        loss_sum += torch.nn.functional.cross_entropy(logits.float(), batch[labels], reduction="sum").double()
-        correct += (logits.argmax(dim=1) == batch[labels]).sum()
-        count += len(batch[labels])
-    loss_sum, correct, count = sum_over_workers([loss_sum.item(), correct.item(), count], device)
-    return {"val_loss": loss_sum / max(count, 1), "val_accuracy": correct / max(count, 1), "val_rows": int(count)}
+            outputs = model(batch[features])
+        rows = len(batch[labels])
+        sums["loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
+        for name, value in task.sums(outputs, batch[labels]).items():
+            sums[name] += value.double()
+        count += rows
+    *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
+    return {f"val_{name}": finish(name, total, count) for name, total in zip(sums, totals)} | {"val_rows": int(count)}
 
 
 def report(metrics: dict, replica: Replica, epoch: int, rank: int) -> None:
@@ -179,24 +193,33 @@ def restored_state(device: torch.device) -> dict | None:
         return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
 
 
-def train_batches(cfg: dict, epoch: int, epoch_counter, device: torch.device, world_size: int) -> Iterator[dict]:
+def train_batches(
+    cfg: dict, epoch: int, epoch_counter, statistics: dict | None, device: torch.device, world_size: int
+) -> Iterator[dict]:
     """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
     seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
     ray.get(epoch_counter.set.remote(epoch))
     shard = ray.train.get_dataset_shard("train")
-    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
+    return torch_batches(shard, cfg, statistics, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
 
 
 def torch_batches(
-    shard, cfg: dict, device: torch.device, world_size: int, training: bool, seed: int | None = None
+    shard,
+    cfg: dict,
+    statistics: dict | None,
+    device: torch.device,
+    world_size: int,
+    training: bool,
+    seed: int | None = None,
 ) -> Iterator:
     """This worker's shard of a split as torch batches (``ingest`` settings). Training shuffles in a
     local buffer and drops its last partial batch when ``ingest`` says so; validation never does.
 
-    Features arrive as uint8 (a quarter of float32's bytes through Ray's object store and to a GPU)
-    and ``ingest.normalize`` turns them into floats here, on the training device.
+    Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object store and to a GPU) and
+    become floats here, on the training device: ``ingest.normalize`` for uint8 features,
+    ``statistics`` (the training split's, with ``ingest.standardize``) for float ones.
     """
-    ingest, feature = cfg["ingest"], cfg["source"]["feature_column"]
+    ingest, feature = cfg["ingest"], feature_key(cfg["source"])
     stream = shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
         prefetch_batches=ingest["prefetch_batches"],
@@ -205,10 +228,26 @@ def torch_batches(
         drop_last=ingest["drop_last"] and training,
         device=device,
     )
-    if ingest["normalize"] is None:
-        return stream
-    scale, shift = pixel_scaling(ingest["normalize"], device)
-    return ({**batch, feature: batch[feature].float() * scale + shift} for batch in stream)
+    scale = feature_scaler(ingest["normalize"], statistics, device)
+    return ({**batch, feature: scale(batch[feature])} for batch in stream)
+
+
+def feature_scaler(normalize: dict | None, statistics: dict | None, device: torch.device):
+    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` says, float
+    features standardized with ``statistics`` when given; anything else as it is."""
+    pixels = pixel_scaling(normalize, device) if normalize is not None else None
+    if statistics is not None:
+        mean = torch.tensor(statistics["mean"], dtype=torch.float32, device=device)
+        std = torch.tensor(statistics["std"], dtype=torch.float32, device=device)
+
+    def scale(features: torch.Tensor) -> torch.Tensor:
+        if features.dtype == torch.uint8 and pixels is not None:
+            return features.float() * pixels[0] + pixels[1]
+        if statistics is not None and features.is_floating_point():
+            return (features - mean) / std
+        return features
+
+    return scale
 
 
 def pixel_scaling(normalize: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,7 +95,7 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
 
     actors, tasks = state(cluster)
     assert Counter(node for name, node in actors if name == "RayTrainWorker") == {"gpu": 2}
-    for step in ("ReadParquet", "decode_jpeg", "random_crop", "random_flip"):
+    for step in ("ReadParquet", "decode_image", "random_crop", "random_flip"):
         nodes = {node for name, node in tasks if step in name}
         assert nodes == {"cpu"}, (step, nodes)
 

@@ -19,7 +19,7 @@ from conftest import compose_cfg
 from mlflow import MlflowClient
 from test_pipeline import cli_env, in_process, run_cli
 
-from pipeline.config import EPOCH_METRICS, PipelineError
+from pipeline.config import PipelineError, compose, epoch_metrics
 from pipeline.run import Job, run
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
@@ -109,7 +109,7 @@ def the_run(tmp_path: Path):
 
 
 def assert_each_epoch_once(client: MlflowClient, run_id: str, epochs: int) -> None:
-    for key in EPOCH_METRICS:
+    for key in epoch_metrics(compose()):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(epochs)), key
 
 

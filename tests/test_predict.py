@@ -52,7 +52,11 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / worker.CHECKPOINT_FILE)
     torch.save(weights, tmp_path / "bare.pt")
     for source in (tmp_path / "ckpt", tmp_path / "ckpt" / worker.CHECKPOINT_FILE, tmp_path / "bare.pt"):
-        assert torch.equal(load_weights(client, None, str(source))["w"], weights["w"])
+        loaded, statistics = load_weights(client, None, str(source))
+        assert torch.equal(loaded["w"], weights["w"]) and statistics is None
+    standardized = {"mean": [1.0, 2.0], "std": [3.0, 4.0]}  # a checkpoint of a run with ingest.standardize
+    torch.save({"model": weights, "optimizer": {}, "feature_statistics": standardized}, tmp_path / "std.pt")
+    assert load_weights(client, None, str(tmp_path / "std.pt"))[1] == standardized
     torch.save({"model": weights, "code": np.dtype("O")}, tmp_path / "pickled.pt")  # not plain weights
     with pytest.raises(PipelineError, match="cannot load weights from .*pickled.pt"):
         load_weights(client, None, str(tmp_path / "pickled.pt"))
@@ -61,7 +65,10 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     with pytest.raises(PipelineError, match="has no model/state_dict.pt .* predict.checkpoint=PATH"):
         load_weights(client, client.get_run(run_id), None)
     tracking.log_model(client, run_id, str(tmp_path / "ckpt" / worker.CHECKPOINT_FILE))
-    assert torch.equal(load_weights(client, client.get_run(run_id), None)["w"], weights["w"])
+    loaded, statistics = load_weights(client, client.get_run(run_id), None)
+    assert torch.equal(loaded["w"], weights["w"]) and statistics is None
+    client.log_dict(run_id, standardized, tracking.STATISTICS_ARTIFACT)  # as a standardized run logs them
+    assert load_weights(client, client.get_run(run_id), None)[1] == standardized
 
 
 def test_predictions_go_to_a_new_or_empty_directory(tmp_path):
@@ -80,8 +87,10 @@ def test_a_replica_predicts_what_the_model_does_on_normalized_pixels(ray_runtime
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
     predictor = Predictor(
         cfg["model"],
+        cfg["task"],
         [ray.put(model.state_dict())],
         cfg["ingest"]["normalize"],
+        None,
         "image",
         "label",
         use_gpu=False,

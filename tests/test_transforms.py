@@ -8,17 +8,17 @@ import torch
 from conftest import compose_cfg, jpeg, write_split
 from PIL import Image
 
-from transforms import decode_jpeg, random_crop, random_flip
+from transforms import decode_image, random_crop, random_flip
 
 
 def images(n: int = 4, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(n, 3, 32, 32), dtype=np.uint8)
 
 
-def test_decode_jpeg_matches_pil_and_keeps_other_columns():
+def test_decode_image_matches_pil_and_keeps_other_columns():
     pixels = np.random.default_rng(0).integers(0, 256, size=(3, 32, 32, 3), dtype=np.uint8)
     encoded = np.array([jpeg(p) for p in pixels], dtype=object)
-    out = decode_jpeg({"image": encoded, "label": np.array([1, 2, 3])})
+    out = decode_image({"image": encoded, "label": np.array([1, 2, 3])})
     assert out["image"].shape == (3, 3, 32, 32) and out["image"].dtype == np.uint8
     np.testing.assert_array_equal(out["label"], [1, 2, 3])
     import io
@@ -28,9 +28,66 @@ def test_decode_jpeg_matches_pil_and_keeps_other_columns():
     assert np.abs(out["image"].astype(int) - expected.astype(int)).max() <= 2
 
 
-def test_decode_jpeg_rejects_bytes_that_are_not_jpeg():
-    with pytest.raises(ValueError, match="'image'.*not a valid JPEG"):
-        decode_jpeg({"image": np.array([b"not a jpeg"], dtype=object)})
+def test_decode_image_rejects_bytes_that_are_not_an_image():
+    with pytest.raises(ValueError, match="'image'.*not an image that decodes"):
+        decode_image({"image": np.array([b"not a jpeg"], dtype=object)})
+
+
+def encoded(image: np.ndarray, fmt: str) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def test_png_webp_gray_palette_and_rgba_decode_to_the_channels_asked_for():
+    rgb = np.random.default_rng(3).integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
+    gray = rgb[..., 0]
+    values = [
+        encoded(rgb, "PNG"),
+        encoded(gray, "PNG"),
+        encoded(np.dstack([rgb, np.full((20, 24), 255, np.uint8)]), "PNG"),  # RGBA, opaque
+        encoded(rgb, "WEBP"),
+        encoded_palette(rgb),
+    ]
+    out = decode_image({"image": np.array(values, dtype=object)})
+    assert out["image"].shape == (5, 3, 20, 24)
+    np.testing.assert_array_equal(out["image"][0], rgb.transpose(2, 0, 1))  # PNG is lossless
+    np.testing.assert_array_equal(out["image"][1], np.repeat(gray[None], 3, axis=0))  # gray -> RGB repeats it
+    np.testing.assert_array_equal(out["image"][2], rgb.transpose(2, 0, 1))  # alpha dropped
+    one = decode_image({"image": np.array(values[:3], dtype=object)}, channels=1)
+    assert one["image"].shape == (3, 1, 20, 24)
+    np.testing.assert_array_equal(one["image"][1, 0], gray)
+
+
+def encoded_palette(rgb: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).convert("P").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_hugging_face_structs_of_mixed_sizes_come_out_at_the_declared_size():
+    """Hugging Face's parquet image layout: a struct {bytes, path} per row, PNG or JPEG, any size."""
+    rng = np.random.default_rng(4)
+    shapes = [(40, 60), (64, 32), (32, 32), (100, 80)]
+    values = []
+    for i, shape in enumerate(shapes):
+        image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+        values.append({"bytes": encoded(image, "PNG") if i % 2 else jpeg(image), "path": f"img{i}.png"})
+    batch = {"image": np.array(values, dtype=object), "label": np.arange(4)}
+    with pytest.raises(ValueError, match=r"mixes image sizes .*set size"):
+        decode_image(batch)
+    for fit in ("center_crop", "stretch"):
+        out = decode_image(batch, size=24, fit=fit)
+        assert out["image"].shape == (4, 3, 24, 24)
+    # center_crop keeps the middle: a flat image with a bright centre band stays bright in the middle
+    band = np.zeros((40, 80, 3), np.uint8)
+    band[:, 30:50] = 255
+    out = decode_image({"image": np.array([encoded(band, "PNG")], dtype=object)}, size=20)
+    assert out["image"][0, :, :, 8:12].min() > 200 and out["image"][0, :, :, :3].max() < 30
 
 
 def file_with_a_bad_row(tmp_path) -> dict:
@@ -48,22 +105,23 @@ def file_with_a_bad_row(tmp_path) -> dict:
 def test_a_bad_row_is_named_by_file_and_row(tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"'image' row 2 of .*part-00007.parquet holds bytes that are not a valid "
-        r"JPEG.*on_error: skip",
+        match=r"'image' row 2 of .*part-00007.parquet holds b'.*not an image that decodes.*on_error: skip",
     ):
-        decode_jpeg(file_with_a_bad_row(tmp_path))
+        decode_image(file_with_a_bad_row(tmp_path))
 
 
 def test_a_null_image_is_named_like_bad_bytes(tmp_path):
     """The decoder raises TypeError for a null: the row is bad all the same, and named."""
     batch = file_with_a_bad_row(tmp_path)
     batch["image"][2] = None
-    with pytest.raises(ValueError, match=r"'image' in .*part-00007.parquet holds None, not JPEG bytes \(TypeError"):
-        decode_jpeg(batch)
+    with pytest.raises(
+        ValueError, match=r"'image' in .*part-00007.parquet holds None, not an image that decodes \(TypeError"
+    ):
+        decode_image(batch)
 
 
 def test_skipping_drops_only_the_bad_rows(tmp_path, caplog):
-    out = decode_jpeg(file_with_a_bad_row(tmp_path), on_error="skip")
+    out = decode_image(file_with_a_bad_row(tmp_path), on_error="skip")
     assert out["image"].shape == (3, 3, 32, 32)
     np.testing.assert_array_equal(out["label"], [0, 1, 3])  # every column lost the same row
     assert "skipped 1 of 4 rows" in caplog.text and "row 2 of" in caplog.text
@@ -161,7 +219,7 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    out = list(torch_batches(ds, cfg, torch.device("cpu"), 1, training=False))
+    out = list(torch_batches(ds, cfg, None, torch.device("cpu"), 1, training=False))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     images = torch.cat([b["image"] for b in out])
     assert images.dtype == torch.float32
@@ -170,11 +228,32 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
         [
             b["image"]
             for b in torch_batches(
-                ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}, torch.device("cpu"), 1, training=False
+                ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}, None, torch.device("cpu"), 1, training=False
             )
         ]
     )
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))
+
+
+def test_float_features_are_standardized_with_the_training_statistics(ray_runtime):
+    """ingest.standardize: the statistics come from one pass over the training split, and workers apply
+    them on the device; ingest.normalize (for uint8 pixels) leaves float features alone."""
+    import ray.data
+
+    from pipeline.preprocess import feature_statistics
+    from pipeline.worker import torch_batches
+
+    features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
+    ds = ray.data.from_items([{"features": f, "label": i} for i, f in enumerate(features)])
+    statistics = feature_statistics(ds, "features")
+    np.testing.assert_allclose(statistics["mean"], [4.0, 10.0])
+    np.testing.assert_allclose(statistics["std"], [np.sqrt(5.0), 1.0])  # a constant feature keeps std 1
+    cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
+    (batch,) = torch_batches(ds, cfg, statistics, torch.device("cpu"), 1, training=False)
+    expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]
+    torch.testing.assert_close(batch["features"], torch.tensor(expected, dtype=torch.float32))
+    (raw,) = torch_batches(ds, cfg, None, torch.device("cpu"), 1, training=False)
+    assert torch.equal(raw["features"], torch.from_numpy(features))  # normalize is for uint8 pixels only
 
 
 class AddConstant:
@@ -214,26 +293,36 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
     out = preprocess.apply(ds, cfg["transforms"]["valid"], ["image", "label"]).take_all()
-    decoded = decode_jpeg({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
+    decoded = decode_image({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
     expected = decoded["image"] + 10
     np.testing.assert_array_equal(np.stack([row["image"] for row in out]), expected)
     assert [row["label"] for row in out] == list(range(6))
 
 
-@pytest.mark.parametrize("task_per_file", [True, False])
-def test_one_task_per_file_reads_and_transforms_in_one_go(ray_runtime, tmp_path, task_per_file):
+STEPS = "MapBatches(decode_image)->MapBatches(random_crop)->MapBatches(random_flip)->Project"
+
+
+@pytest.mark.parametrize(
+    "files, task_per_file, operators",
+    [
+        (2, True, [f"ReadParquet->{STEPS}: 2 tasks"]),  # the read and every step fused: one task per file
+        (1, True, ["ReadParquet: 1 tasks", "Repartition", f"{STEPS}: 2 tasks"]),  # one file, still 2 at once
+        (1, False, ["ReadParquet->SplitBlocks", f"{STEPS}: 4 tasks"]),  # Ray splits the blocks itself
+    ],
+)
+def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cpus(
+    ray_runtime, tmp_path, files, task_per_file, operators
+):
     """With source.task_per_file and whole-block steps Ray Data fuses the read and every step into one
-    task per file; without it Ray splits a file into more blocks than files (here one file, 2 CPUs)."""
+    task per file; a split of fewer files than CPUs (2 here) is spread over one block per CPU first."""
     from pipeline import preprocess, source
 
-    write_split(tmp_path / "cifar10" / "train", 64, 1, seed=0)
+    write_split(tmp_path / "cifar10" / "train", 64, files, seed=0)
     write_split(tmp_path / "cifar10" / "test", 16, 1, seed=0)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null", f"source.task_per_file={task_per_file}"])
     split = source.prepare(cfg["source"])["train"]
     ds = preprocess.dataset(split, cfg["transforms"]["train"], ["image", "label"], cfg["source"])
     rows = ds.take_all()
     assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
-    stats = ds.stats()
-    assert ("SplitBlocks" in stats) != task_per_file
-    fused = "ReadParquet->MapBatches(decode_jpeg)->MapBatches(random_crop)->MapBatches(random_flip)"
-    assert (fused in stats) == task_per_file
+    executed = [line.split(" ", 2)[2] for line in ds.stats().splitlines() if line.startswith("Operator ")]
+    assert len(executed) == len(operators) and all(e.startswith(o) for e, o in zip(executed, operators)), executed

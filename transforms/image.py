@@ -1,18 +1,20 @@
-"""Image transforms for batches of CIFAR-style rows: JPEG bytes in, uint8 (N, C, H, W) arrays out.
+"""Image transforms for batches of rows: encoded images in, uint8 (N, C, H, W) arrays out.
 
 Pixels stay uint8 through Ray Data (a quarter of float32's bytes to move); the training worker
 scales them on its device (``ingest.normalize``)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import zlib
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import simplejpeg
+from PIL import Image
 
 Batch = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -28,38 +30,86 @@ def _row_in_file(path: str, column: str, value: bytes) -> str:
         return f" in {path}"
 
 
-def decode_jpeg(
-    batch: Batch, column: str = "image", on_error: Literal["raise", "skip"] = "raise", path_column: str = "path"
+def decode_image(
+    batch: Batch,
+    column: str = "image",
+    size: int | None = None,
+    fit: Literal["center_crop", "stretch"] = "center_crop",
+    channels: Literal[1, 3] = 3,
+    on_error: Literal["raise", "skip"] = "raise",
+    path_column: str = "path",
 ) -> Batch:
-    """Decode a column of JPEG bytes into a uint8 array of shape (N, C, H, W).
+    """Decode a column of encoded images (JPEG, PNG, WebP, ...) into a uint8 array (N, channels, H, W).
 
-    simplejpeg (libjpeg-turbo) decodes small JPEGs faster than torchvision and needs no torch, so
-    Ray Data's workers start without importing it. Images in one batch must share a size,
-    as CIFAR's do. A row that does not decode fails the run with its file and row (``path_column`` is
-    the source file, which the pipeline's reader adds), or with ``on_error="skip"`` is dropped and
-    counted in a warning in Ray's worker logs.
+    A value is the file's bytes, or a struct with a ``bytes`` field (Hugging Face's image layout,
+    ``{bytes, path}``). JPEGs take simplejpeg's path (libjpeg-turbo, no torch import, and with
+    ``size`` a DCT-domain downscale while decoding); other formats go through Pillow. Grayscale,
+    palette and RGBA images become ``channels`` (1: gray, 3: RGB). With ``size``, each image is scaled
+    so its shorter side is ``size`` and center-cropped (``fit: center_crop``), or stretched
+    (``fit: stretch``), to ``size`` x ``size``, so a batch may mix sizes; without it, the images of a
+    batch must share one size. A row that does not decode fails the run with its file and row
+    (``path_column`` is the source file, which the pipeline's reader adds), or with
+    ``on_error="skip"`` is dropped and counted in a warning in Ray's worker logs.
     """
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"decode_jpeg: on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise ValueError(f"decode_image: on_error must be 'raise' or 'skip', got {on_error!r}")
     images, keep = [], np.ones(len(batch[column]), dtype=bool)
-    for i, data in enumerate(batch[column]):
+    for i, value in enumerate(batch[column]):
         try:
-            images.append(simplejpeg.decode_jpeg(data, colorspace="RGB"))
+            images.append(_decoded(value, size, fit, gray=channels == 1))
         except Exception as err:  # whatever the decoder raises (ValueError, TypeError for a null), the row is bad
-            where = _row_in_file(batch[path_column][i], column, data) if path_column in batch else ""
-            held = "bytes that are not a valid JPEG" if isinstance(data, bytes) else f"{data!r:.40}, not JPEG bytes"
+            where = _row_in_file(batch[path_column][i], column, value) if path_column in batch else ""
             if on_error == "raise":
                 raise ValueError(
-                    f"decode_jpeg: column {column!r}{where} holds {held} ({type(err).__name__}: {err}); "
-                    "fix the row, or skip such rows with on_error: skip."
+                    f"decode_image: column {column!r}{where} holds {value!r:.60}, not an image that decodes "
+                    f"({type(err).__name__}: {err}); fix the row, or skip such rows with on_error: skip."
                 ) from err
             keep[i] = False
-            log.warning("decode_jpeg: skipped an undecodable row%s", where)
+            log.warning("decode_image: skipped an undecodable row%s", where)
     if not keep.all():
-        log.warning("decode_jpeg: skipped %d of %d rows in this batch", (~keep).sum(), len(keep))
+        log.warning("decode_image: skipped %d of %d rows in this batch", (~keep).sum(), len(keep))
         batch = {key: values[keep] for key, values in batch.items()}
-    pixels = np.stack(images).transpose(0, 3, 1, 2) if images else np.empty((0, 3, 0, 0), dtype=np.uint8)
+    shapes = {image.shape for image in images}
+    if len(shapes) > 1:
+        sizes = ", ".join(sorted(f"{s[1]}x{s[0]}" for s in shapes))
+        raise ValueError(
+            f"decode_image: column {column!r} mixes image sizes ({sizes}) in one batch; "
+            "set size (and fit) on the decode step to bring every image to one size."
+        )
+    if not images:
+        return {**batch, column: np.empty((0, channels, size or 0, size or 0), dtype=np.uint8)}
+    pixels = np.stack(images)  # (N, H, W) gray or (N, H, W, 3)
+    pixels = pixels[:, None] if channels == 1 else pixels.transpose(0, 3, 1, 2)
     return {**batch, column: np.ascontiguousarray(pixels)}
+
+
+def _decoded(value: Any, size: int | None, fit: str, gray: bool) -> np.ndarray:
+    """One image as (H, W) or (H, W, 3) uint8, at ``size`` when given."""
+    data = value["bytes"] if isinstance(value, dict) else value
+    if not isinstance(data, bytes):
+        raise TypeError(f"expected bytes or a struct with a 'bytes' field, got {type(data).__name__}")
+    if data[:3] == b"\xff\xd8\xff":  # JPEG: decoded straight to the channels wanted, scaled down in the DCT
+        image = simplejpeg.decode_jpeg(
+            data, colorspace="GRAY" if gray else "RGB", min_height=size or 0, min_width=size or 0
+        )
+        image = image[..., 0] if gray else image
+    else:
+        with Image.open(io.BytesIO(data)) as opened:
+            image = np.asarray(opened.convert("L" if gray else "RGB"))
+    if size is None or image.shape[:2] == (size, size):
+        return image
+    return np.asarray(_resized(Image.fromarray(image), size, fit))
+
+
+def _resized(image: Image.Image, size: int, fit: str) -> Image.Image:
+    """``image`` stretched to ``size`` x ``size``, or scaled to a shorter side of ``size`` and center-cropped."""
+    if fit == "stretch":
+        return image.resize((size, size), Image.Resampling.BILINEAR)
+    width, height = image.size
+    scale = size / min(width, height)
+    width, height = max(size, round(width * scale)), max(size, round(height * scale))
+    left, top = (width - size) // 2, (height - size) // 2
+    return image.resize((width, height), Image.Resampling.BILINEAR).crop((left, top, left + size, top + size))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
