@@ -134,8 +134,8 @@ def check_labels(key: str, file: str, footer: pq.ParquetFile, label: str, num_cl
             f"{key}: {file} column {label!r} holds {kind}, not integer class labels; a classification task "
             "needs labels 0..source.num_classes-1 (numbers to predict: task=regression source.num_classes=null)."
         )
-    index = footer.schema_arrow.names.index(label)
-    meta = footer.metadata
+    meta = footer.metadata  # statistics are per leaf column: a struct column has several
+    index = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == label)
     stats = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
     known = all(s is not None and s.has_min_max and s.null_count == 0 for s in stats)
     if known and all(s.min >= 0 and s.max < num_classes for s in stats):

@@ -224,14 +224,8 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     images = torch.cat([b["image"] for b in out])
     assert images.dtype == torch.float32
     torch.testing.assert_close(images[:, :, 0], torch.tensor([expected] * 5, dtype=torch.float32))
-    raw = torch.cat(
-        [
-            b["image"]
-            for b in torch_batches(
-                ds, {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}, None, torch.device("cpu"), 1, training=False
-            )
-        ]
-    )
+    unscaled = {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}
+    raw = torch.cat([b["image"] for b in torch_batches(ds, unscaled, None, torch.device("cpu"), 1, training=False)])
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))
 
 

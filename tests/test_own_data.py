@@ -1,0 +1,267 @@
+"""A user's own data, by config alone: Hugging Face image parquet, class-sorted files, tables of numbers,
+a declared task, labels checked before training, and what each run records of its data."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import compose_cfg, write_split
+from mlflow import MlflowClient
+from PIL import Image
+from test_pipeline import run_cli
+
+from pipeline import source, tracking
+from pipeline.config import PipelineError, validate
+from pipeline.run import Job, run
+from pipeline.task import Task, finish
+
+# The experiment a user keeps in their own directory: a Hugging Face image export (PNG in {bytes, path}
+# structs, grayscale, mixed sizes), decoded to 16x16 RGB for a small ViT.
+USER_EXPERIMENT = """\
+# @package _global_
+source:
+  train: ${oc.env:USER_DATA}/train
+  valid: ${oc.env:USER_DATA}/valid
+  download: null
+  num_classes: 4
+transforms:
+  train:
+    decode: {fn: {_target_: transforms.decode_image, size: 16}}
+    crop: null
+  valid:
+    decode: {fn: {_target_: transforms.decode_image, size: 16}}
+model:
+  image_size: 16
+  num_layers: 2
+  num_heads: 2
+  hidden_dim: 32
+  mlp_dim: 64
+train:
+  epochs: 4
+ingest:
+  batch_size: 32
+scaling:
+  num_workers: 1
+"""
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_hf_split(directory: Path, rows: int, seed: int) -> None:
+    """Grayscale PNGs of random sizes whose brightness follows the label (0-3), as Hugging Face's
+    parquet export stores images: a struct column ``image`` of ``{bytes, path}``."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 4, size=rows)
+    images = []
+    for i, label in enumerate(labels):
+        height, width = rng.integers(12, 40, size=2)
+        pixels = np.clip(rng.normal(60 * label + 30, 15, (height, width)), 0, 255).astype(np.uint8)
+        images.append({"bytes": png(pixels), "path": f"{i}.png"})
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    directory.mkdir(parents=True)
+    pq.write_table(pa.table({"image": pa.array(images, kind), "label": labels}), directory / "data.parquet")
+
+
+@pytest.mark.slow
+def test_a_hugging_face_png_dataset_trains_from_an_experiment_in_the_users_config_dir(tmp_path, monkeypatch):
+    data, conf = tmp_path / "hf", tmp_path / "my_conf"
+    write_hf_split(data / "train", 384, seed=0)
+    write_hf_split(data / "valid", 128, seed=1)
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "experiment" / "mine.yaml").write_text(USER_EXPERIMENT)
+    monkeypatch.setenv("USER_DATA", str(data))
+
+    result = run_cli(["--config-dir", str(conf), "+experiment=mine"], tmp_path, tmp_path / "unused")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("mine").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["val_accuracy"] > 0.5  # chance: 0.25
+    inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}  # the UI's Dataset column
+    assert set(inputs) == {"hf/train", "hf/valid"}
+    assert [t.value for t in inputs["hf/train"].tags] == ["training"]
+    assert '"num_rows": 384' in inputs["hf/train"].dataset.profile
+    assert '"name": "image"' in inputs["hf/train"].dataset.schema and str(data) in inputs["hf/train"].dataset.source
+
+
+def write_sorted_and_shuffled(root: Path) -> None:
+    """``root/{sorted,shuffled}/cifar10``: the same rows, stored class by class (a file per class) and shuffled."""
+    write_split(root / "rows", 512, 1, seed=1)
+    table = pq.read_table(root / "rows")
+    order = np.argsort(table["label"].to_numpy(), kind="stable")
+    for name, rows in (("sorted", order), ("shuffled", np.random.default_rng(0).permutation(len(order)))):
+        train = root / name / "cifar10" / "train"
+        train.mkdir(parents=True)
+        ordered = table.take(rows)
+        for label in range(10) if name == "sorted" else [None]:
+            part = ordered if label is None else ordered.filter(pa.compute.equal(ordered["label"], label))
+            pq.write_table(part, train / f"part-{label or 0:05d}.parquet")
+        write_split(root / name / "cifar10" / "test", 256, 1, seed=2)
+
+
+def sorted_wine(root: Path) -> None:
+    """scikit-learn's wine data as a user may store it: the training rows class by class, a file per class."""
+    source.write_sklearn(str(root), "wine")
+    train = pq.read_table(root / "wine" / "train")
+    for path in (root / "wine" / "train").iterdir():
+        path.unlink()
+    for label in range(3):
+        part = train.filter(pa.compute.equal(train["target"], label))
+        pq.write_table(part, root / "wine" / "train" / f"class-{label}.parquet")
+
+
+@pytest.mark.slow
+def test_class_sorted_files_train_as_well_as_shuffled_ones(tmp_path, ray_runtime):
+    """The default shuffle mixes any layout (test_the_shuffle_is_new_each_epoch... shows a batch of a
+    class-sorted split holding many classes), so a class-sorted copy of the rows reaches the accuracy of
+    the shuffled copy scikit-learn's rows are written as."""
+    source.write_sklearn(str(tmp_path / "shuffled"), "wine")
+    sorted_wine(tmp_path / "sorted")
+    accuracy = {}
+    for name in ("sorted", "shuffled"):
+        cfg = compose_cfg(
+            [
+                "+experiment=wine_mlp",
+                f"source.root={tmp_path / name}",
+                "train.epochs=8",
+                f"paths.outputs={tmp_path / 'out'}",
+            ]
+        )
+        accuracy[name] = run(cfg, Job(str(tmp_path / f"run-{name}"), "wine"))["val_accuracy"]
+    assert accuracy["shuffled"] >= 0.85, accuracy  # chance: about 0.4
+    assert abs(accuracy["sorted"] - accuracy["shuffled"]) <= 0.06, accuracy  # two of 36 rows
+
+
+def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
+    """The training split's rows (image bytes, label) in their order at ``epoch``, as a worker's pass
+    would see them from a dataset built anew."""
+    import ray
+
+    from pipeline import preprocess
+
+    counter = preprocess.EpochCounter.remote()
+    ray.get(counter.set.remote(epoch))
+    ds = preprocess.dataset(split, {}, ["image", "label"], cfg["source"], counter, shuffle_seed=cfg["train"]["seed"])
+    rows = [(row["image"], row["label"]) for row in ds.take_all()]
+    ray.kill(counter)
+    return rows
+
+
+def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path, ray_runtime):
+    """Seeded by train.seed and the epoch only: a resumed run (a new dataset) repeats epoch N exactly."""
+    write_sorted_and_shuffled(tmp_path)
+    cfg = compose_cfg([f"source.root={tmp_path / 'sorted'}", "source.download=null", "source.limit=null"])
+    split = source.prepare(cfg["source"])["train"]
+    first, second, again = (shuffled_rows(cfg, split, epoch) for epoch in (0, 1, 1))
+    stored = pq.read_table(split.files)
+    assert sorted(first) == sorted(zip(stored["image"].to_pylist(), stored["label"].to_pylist()))
+    assert first != second and second == again
+    assert len({label for _, label in first[:32]}) >= 6  # a class-sorted layout, yet a batch holds many classes
+
+
+def labelled(path: Path, labels, statistics: bool = True) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"image": [b"x"] * len(labels), "label": labels})
+    pq.write_table(table, path / "part-00000.parquet", write_statistics=statistics, row_group_size=2)
+
+
+@pytest.mark.parametrize("statistics", [True, False])  # from the footers, or read when they have none
+def test_a_label_outside_the_classes_fails_before_training_naming_file_row_and_key(tmp_path, statistics):
+    labelled(tmp_path / "train", [0, 1, 2, 9, 10, 3], statistics)
+    with pytest.raises(PipelineError) as error:
+        source.check_split("source.train", str(tmp_path / "train"), ["image", "label"], {}, num_classes=10)
+    message = str(error.value)
+    assert "part-00000.parquet row 4 has label 10" in message and "outside [0, 10)" in message
+    assert "source.num_classes" in message
+    labelled(tmp_path / "ok", [0, 9, 3], statistics)
+    assert source.check_split("source.train", str(tmp_path / "ok"), ["image", "label"], {}, num_classes=10).rows == 3
+
+
+def test_float_labels_for_classification_fail_naming_the_regression_task(tmp_path):
+    labelled(tmp_path / "train", [0.5, 1.5])
+    with pytest.raises(PipelineError, match="not integer class labels.*task=regression"):
+        source.check_split("source.train", str(tmp_path / "train"), ["image", "label"], {}, num_classes=2)
+
+
+def test_task_metrics_match_their_definitions():
+    outputs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.1, 0.4], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    labels = torch.tensor([1, 2, 0, 0])
+    task = Task({"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": []})
+    task.metrics = ["accuracy", "top2_accuracy"]
+    sums = task.sums(outputs, labels)
+    assert sums["accuracy"].item() == 2 and sums["top2_accuracy"].item() == 3  # row 3: label 0 is third
+    regression = Task({"type": "regression", "loss": {"_target_": "torch.nn.HuberLoss"}, "metrics": ["mae", "rmse"]})
+    predicted, actual = torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([1.0, 4.0, 1.0], dtype=torch.float64)
+    sums = regression.sums(predicted, actual)
+    assert finish("mae", sums["mae"].item(), 3) == pytest.approx(5 / 3)
+    assert finish("rmse", sums["rmse"].item(), 3) == pytest.approx(np.sqrt(13 / 3))
+    assert regression.loss(predicted, actual).item() == pytest.approx(
+        torch.nn.HuberLoss()(predicted[:, 0], actual.float())
+    )
+
+
+def test_the_task_sets_the_metric_names_and_what_is_optimized():
+    regression = compose_cfg(["+experiment=diabetes_mlp"])
+    assert regression["optimized_metric"] == "val_mae" and regression["task"]["metrics"] == ["mae", "rmse"]
+    validate({**regression, "train": {**regression["train"], "checkpoint_metric": "val_rmse"}})
+    top5 = compose_cfg(["task.metrics=[accuracy,top5_accuracy]", "optimized_metric=val_top5_accuracy"])
+    validate(top5)
+    with pytest.raises(PipelineError, match="task.metrics: 'mae' is not a classification metric"):
+        validate(compose_cfg(["task.metrics=[mae]"]))
+    with pytest.raises(PipelineError, match="optimized_metric must be one of .*val_mae"):
+        validate({**regression, "optimized_metric": "val_accuracy"})
+
+
+def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
+    """The dataset inputs MLflow shows tell two runs on different data apart."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("data")
+    digests = []
+    for name, labels in (("a", [0, 1]), ("b", [0, 1, 1])):
+        labelled(tmp_path / name / "train", labels)
+        split = source.check_split("source.train", str(tmp_path / name / "train"), ["image", "label"], {})
+        run_id = client.create_run(experiment).info.run_id
+        tracking.log_data(client, run_id, {"train": split}, None)
+        (logged,) = client.get_run(run_id).inputs.dataset_inputs
+        assert logged.dataset.digest == split.digest and f'"num_rows": {len(labels)}' in logged.dataset.profile
+        digests.append(logged.dataset.digest)
+    assert digests[0] != digests[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "experiment, metrics", [("wine_mlp", ("val_accuracy",)), ("diabetes_mlp", ("val_mae", "val_rmse"))]
+)
+def test_tabular_experiments_train_and_predict_with_their_tasks_metrics(tmp_path, experiment, metrics):
+    """The scikit-learn examples: written to parquet on first use, trained, then predicted with the same
+    standardization (the predictions' metrics equal the last epoch's validation metrics)."""
+    args = [f"+experiment={experiment}", "train.epochs=5"]
+    trained = run_cli(args, tmp_path, tmp_path / "data")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    predicted = run_cli([*args, "stage=predict"], tmp_path, tmp_path / "data")
+    assert predicted.returncode == 0, predicted.stdout[-3000:] + predicted.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    training = next(r for r in runs if r.data.tags.get("pipeline.stage") != "predict")
+    prediction = next(r for r in runs if r.data.tags.get("pipeline.stage") == "predict")
+    assert training.info.status == prediction.info.status == "FINISHED"
+    for metric in metrics:
+        name = metric.removeprefix("val_")
+        assert prediction.data.metrics[f"predict_{name}"] == pytest.approx(training.data.metrics[metric], rel=1e-4)
+    written = pq.read_table(prediction.data.tags["pipeline.predictions"])
+    assert written.num_rows == training.data.metrics["val_rows"]
+    if experiment == "wine_mlp":
+        assert training.data.metrics["val_accuracy"] > 0.7  # chance: about 0.4
+        assert written["prediction"].type == pa.int64() and "confidence" in written.column_names
+    else:
+        assert pa.types.is_floating(written["prediction"].type)
+        assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
