@@ -83,16 +83,19 @@ def dataset(
     ``columns``: the feature column the model takes (see :func:`feature_key`), then any others to keep."""
     features = source.input_columns(source_cfg)
     tabular = isinstance(source_cfg["feature_column"], list) or split.vector_column(features[0])
-    ds = source.read(split, [*features, *columns[1:]], source_cfg, read_placement(steps))
+    placed = read_placement(steps)  # these steps run where the reads do, fused with them
+    ds = source.read(split, [*features, *columns[1:]], source_cfg, placed)
     if tabular:
-        ds = ds.map_batches(stack_features, fn_kwargs={"columns": features, "output": columns[0]}, batch_size=None)
-    blocks = max(len(split.files), int(ray.cluster_resources().get("CPU", 1)))
+        stacked = {"columns": features, "output": columns[0]}
+        ds = ds.map_batches(stack_features, fn_kwargs=stacked, batch_size=None, **placed)
     if shuffle_seed is not None:
-        ds = ds.map_batches(seeded(permuted, epoch_counter), fn_kwargs={"seed": shuffle_seed}, batch_size=None)
+        shuffle = seeded(permuted, epoch_counter)
+        ds = ds.map_batches(shuffle, fn_kwargs={"seed": shuffle_seed}, batch_size=None, **placed)
+    blocks = max(len(split.files), int(ray.cluster_resources().get("CPU", 1)))
     if source_cfg["task_per_file"] and blocks > len(split.files):  # few, large files: still several tasks at once
         ds = ds.repartition(blocks)
     if shuffle_seed is not None:
-        ds = ds.random_shuffle(seed=shuffle_seed)
+        ds = ds.random_shuffle(seed=shuffle_seed, **placed)
     return apply(ds, steps, columns, epoch_counter)
 
 
