@@ -199,7 +199,7 @@ def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatc
     with pytest.raises(
         PipelineError,
         match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 5 of "
-        r".*/cifar10/test/part-00000.parquet holds bytes that are not a valid JPEG",
+        r".*/cifar10/test/part-00000.parquet holds b.*not an image that decodes \(ValueError: not a known image format",
     ):
         in_process(tmp_path, "broken", ["source.limit=null"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")

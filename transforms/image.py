@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import simplejpeg
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 Batch = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -94,7 +94,11 @@ def _decoded(value: Any, size: int | None, fit: str, gray: bool) -> np.ndarray:
         )
         image = image[..., 0] if gray else image
     else:
-        with Image.open(io.BytesIO(data)) as opened:
+        try:
+            opened = Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:
+            raise ValueError("not a known image format (JPEG, PNG, WebP, GIF, BMP, ...)") from None
+        with opened:
             image = np.asarray(opened.convert("L" if gray else "RGB"))
     if size is None or image.shape[:2] == (size, size):
         return image
