@@ -66,7 +66,8 @@ def run(cfg: dict, job: Job) -> dict:
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
-            result = trainer.fit(cfg, data, storage, tracker, job.run_dir)
+            progress = console.Progress(cfg["train"]["epochs"], trainer.epoch_steps(cfg, data))
+            result = trainer.fit(cfg, data, storage, trainer.Handler(tracker, job.run_dir, progress))
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             if cfg["tracking"]["log_model"] and result.checkpoint is not None:

@@ -26,6 +26,7 @@ import ray.train
 from ray.exceptions import RayError
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.queue import Empty, Queue
 
 from pipeline import console
@@ -126,8 +127,9 @@ def data_config(cfg: dict) -> DataConfig:
     return DataConfig(execution_options=execution_options)
 
 
-def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Queue, steps: int) -> TorchTrainer:
-    """A TorchTrainer for the resolved config; workers send their events to ``events``."""
+def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Queue, callbacks: list) -> TorchTrainer:
+    """A TorchTrainer for the resolved config; workers send their events to ``events``; ``callbacks``
+    run in Ray Train's controller besides the one that relays each report to ``events``."""
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     return TorchTrainer(
         train_loop_per_worker,
@@ -136,7 +138,7 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
             "events": events,
             "epoch_counter": data.epoch_counter,
             "statistics": data.statistics,
-            "steps_per_epoch": steps,
+            "steps_per_epoch": epoch_steps(cfg, data),
         },
         scaling_config=scaling_config,
         torch_config=torch_config,
@@ -152,7 +154,7 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
                 checkpoint_score_order=checkpoint_mode(cfg["train"]),
             ),
             failure_config=FailureConfig(max_failures=cfg["train"]["max_failures"]),
-            callbacks=[ReportRelay(events)],
+            callbacks=[ReportRelay(events), *callbacks],
         ),
     )
 
@@ -165,15 +167,20 @@ def checkpoint_mode(train: dict) -> str:
     return "min" if metric is not None and lower_is_better(metric) else "max"
 
 
-def fit(cfg: dict, data: TrainingData, storage: RunStorage, tracker: Tracker, run_dir: str) -> ray.train.Result:
-    """Train to the end, handing every event to the console, the tracker and the run directory; a
-    worker or controller failure becomes one PipelineError naming its cause."""
+def epoch_steps(cfg: dict, data: TrainingData) -> int:
+    """Batches each worker sees per epoch of this job."""
     scaling, ingest = cfg["scaling"], cfg["ingest"]
-    steps = steps_per_epoch(data.rows["train"], scaling["num_workers"], ingest["batch_size"], ingest["drop_last"])
+    return steps_per_epoch(data.rows["train"], scaling["num_workers"], ingest["batch_size"], ingest["drop_last"])
+
+
+def fit(cfg: dict, data: TrainingData, storage: RunStorage, handler, callbacks: tuple = ()) -> ray.train.Result:
+    """Train to the end, handing every worker event to ``handler`` (:class:`Handler` for a job; a Tune
+    trial's own, see ``trial.py``); a worker or controller failure becomes one PipelineError naming
+    its cause. ``callbacks``: more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
     events = Queue(actor_options={"num_cpus": 0})
     try:
-        trainer = build_trainer(cfg, data, storage, events, steps)
-        with relayed(events, Handler(tracker, run_dir, console.Progress(cfg["train"]["epochs"], steps))):
+        trainer = build_trainer(cfg, data, storage, events, list(callbacks))
+        with relayed(events, handler):
             try:
                 return fit_off_main_thread(trainer)
             except ray.train.TrainingFailedError as err:
@@ -206,8 +213,7 @@ class Handler:
         self.append("workers.jsonl", event)
 
     def report_event(self, event: dict) -> None:
-        ranks = sorted(event["ranks"], key=lambda r: r["rank"])
-        check_ranks_agree(ranks)
+        ranks = checked_ranks(event)
         self.append("metrics.jsonl", {"checkpoint": event["checkpoint"], "ranks": ranks})
         self.tracker.log_epoch(ranks[0])
         self.progress.epoch_done(ranks[0])
@@ -222,6 +228,13 @@ class Handler:
 
     def close(self) -> None:
         self.progress.close()
+
+
+def checked_ranks(report: dict) -> list[dict]:
+    """A report's per-rank metrics in rank order, checked to agree."""
+    ranks = sorted(report["ranks"], key=lambda r: r["rank"])
+    check_ranks_agree(ranks)
+    return ranks
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:
@@ -345,3 +358,18 @@ def explain(err: ray.train.TrainingFailedError) -> PipelineError:
         f"training failed {where}: {'; '.join(causes)} "
         "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
     )
+
+
+def release_placement_group(group_id: str) -> None:
+    """Remove a Tune trial's training placement group (hex id, as :func:`pipeline.worker.where_this_runs`
+    reports it) once the trial has ended, if it is still there.
+
+    Ray 2.60: a Tune scheduler that stops a trial (ASHA, median stopping) ends the trial's actor, and
+    with it the Ray Train controller the trial started, before the controller removes its worker
+    group's placement group. Ray Train's PlacementGroupCleaner would remove it, but it asks the state
+    API, which needs the dashboard; without one (a local runtime) the group holds its CPUs until the
+    sweep's process exits, and later trials wait for them forever.
+    """
+    group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+        remove_placement_group(group)

@@ -64,7 +64,12 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = train_epoch(replica, batches, cfg, epoch, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
         metrics |= evaluate(replica, valid, cfg)
-        metrics |= {"epoch": epoch, "rank": rank, "weights_sha256": weights_digest(replica.module)}
+        metrics |= {
+            "epoch": epoch,
+            "rank": rank,
+            "weights_sha256": weights_digest(replica.module),
+            **where_this_runs(rank),
+        }
         report(metrics, replica, epoch, rank)
 
 
@@ -288,11 +293,14 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def where_this_runs(rank: int) -> dict:
-    """This worker's rank, process, node and copy of the code, for the run's ``workers.jsonl``."""
+    """This worker's rank, process, node, placement group and copy of the code, for the run's
+    ``workers.jsonl`` and each epoch's report (a Tune sweep's driver releases the group, trainer.py)."""
+    group = ray.util.get_current_placement_group()
     return {
         "rank": rank,
         "pid": os.getpid(),
         "node_id": ray.get_runtime_context().get_node_id(),
+        "placement_group": group.id.hex() if group is not None else None,
         "code": os.path.dirname(os.path.abspath(__file__)),
     }
 

@@ -13,7 +13,7 @@ import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from pipeline.trainer import explain, root_cause
+from pipeline.trainer import explain, release_placement_group, root_cause
 
 
 def read_a_bad_row(config: dict) -> None:
@@ -70,3 +70,44 @@ def test_the_preemption_watcher_is_still_switched_by_its_environment_variable():
 
     assert constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR == "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
     assert constants.DEFAULT_ENABLE_PREEMPTION_WATCHER is True
+
+
+def report_epochs_forever(config: dict) -> None:
+    group = ray.util.get_current_placement_group().id.hex()
+    for epoch in range(1000):
+        ray.train.report({"epoch": epoch, "placement_group": group})
+
+
+def train_in_a_trial(config: dict) -> None:
+    """A Tune trial's body as in ``pipeline/trial.py``: a TorchTrainer reporting to Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    TorchTrainer(
+        report_epochs_forever,
+        scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(
+            storage_path=config["storage"], name=tune.get_context().get_trial_id(), callbacks=[TuneReportCallback()]
+        ),
+    ).fit()
+
+
+@pytest.mark.slow
+def test_a_tune_trial_stopped_early_leaves_its_training_placement_group_behind(ray_runtime, tmp_path):
+    """Workaround: ``release_placement_group`` (a trial that Tune stops, as ASHA does, ends before
+    Ray Train removes its workers' placement group; without the dashboard nothing removes it)."""
+    from ray import tune
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    results = tune.Tuner(
+        tune.with_resources(train_in_a_trial, {"CPU": 0.01}),
+        param_space={"storage": str(tmp_path / "train")},
+        run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), stop={"epoch": 1}, verbose=0),
+    ).fit()
+    group_id = results[0].metrics["placement_group"]
+    group = ray.util.placement_group.PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    assert ray.util.placement_group_table(group)["state"] == "CREATED", (
+        "Ray now removes a stopped trial's placement group: release_placement_group may go"
+    )
+    release_placement_group(group_id)
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
