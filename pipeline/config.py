@@ -234,6 +234,17 @@ def register() -> None:
     store.store(group="hydra/launcher", name="pipeline", node={"_target_": f"{plugins}.PipelineLauncher"})
     sweeper = {"_target_": f"{plugins}.PipelineSweeper", "max_batch_size": None, "params": None}
     store.store(group="hydra/sweeper", name="pipeline", node=sweeper)
+    tune = {  # conf/hparams_search/tune.yaml sets them, with comments
+        "_target_": f"{plugins}.TuneSweeper",
+        "_recursive_": False,  # search_alg and scheduler stay configs: tuning.py instantiates them
+        "num_samples": 1,
+        "max_concurrent_trials": None,
+        "seed": None,
+        "search_alg": None,
+        "scheduler": None,
+        "params": None,
+    }
+    store.store(group="hydra/sweeper", name="tune", node=tune)
 
 
 def compose(overrides: list[str] = ()) -> dict:

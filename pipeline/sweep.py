@@ -58,14 +58,15 @@ def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[lis
         {
             "run_id": child.info.run_id,
             "name": child.info.run_name,
-            "status": child.info.status,
+            # a trial a Tune scheduler stopped early ended FINISHED: its table row says STOPPED
+            "status": "STOPPED" if tracking.STOPPED_TAG in child.data.tags else child.info.status,
             "value": child.data.metrics.get(metric, math.nan),
             "overrides": child.data.tags.get(tracking.OVERRIDES_TAG, ""),
             "error": child.data.tags.get(tracking.ERROR_TAG, ""),
         }
         for child in children
     ]
-    finished = [j for j in jobs if j["status"] == "FINISHED" and not math.isnan(j["value"])]
+    finished = [j for j in jobs if j["status"] in ("FINISHED", "STOPPED") and not math.isnan(j["value"])]
     best = max(finished, key=lambda j: better(metric) * j["value"]) if finished else None
     return jobs, best
 
@@ -97,7 +98,7 @@ class SweepSummary(Callback):
             sys.exit(1)
         parent = tracking.sweep_parent(client, found.experiment_id, sweep_dir)
         jobs, best = summarize(client, found.experiment_id, parent, metric)
-        failed = [j for j in jobs if j["status"] != "FINISHED"]
+        failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
         if best is not None:
             client.set_tag(parent, "pipeline.best_run_id", best["run_id"])
             client.set_tag(parent, "pipeline.best_run_name", best["name"])

@@ -41,6 +41,7 @@ MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
 SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
+STOPPED_TAG = "pipeline.stopped_early"  # a Tune sweep's trial that its scheduler stopped: when, and by what
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at

@@ -1,13 +1,19 @@
-"""The pipeline's Hydra sweeper and launcher (run on the driver). Hydra loads them only from the
+"""The pipeline's Hydra sweepers and launcher (run on the driver). Hydra loads them only from the
 ``hydra_plugins`` namespace package, so pyproject.toml installs this directory as that package; the
-bookkeeping is in :mod:`pipeline.sweep`. Both are selected in ``conf/config.yaml``."""
+bookkeeping is in :mod:`pipeline.sweep`, the Ray Tune sweep in :mod:`pipeline.tuning`. The basic
+ones are selected in ``conf/config.yaml``, the Tune one by ``hparams_search=tune``."""
 
 from __future__ import annotations
+
+import logging
+import sys
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn
 from hydra.errors import ConfigCompositionException
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import sweep
@@ -35,3 +41,24 @@ class PipelineSweeper(BasicSweeper):
 
     def validate_batch_is_legal(self, batch) -> None:
         pass
+
+
+class TuneSweeper(Sweeper):
+    """A sweep on Ray Tune (concurrent trials, early stopping, search algorithms, resumable): see
+    :mod:`pipeline.tuning`. Its settings are ``hydra.sweeper.*`` (conf/hparams_search/tune.yaml)."""
+
+    def __init__(self, **settings) -> None:
+        self.settings = OmegaConf.create(settings)
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        self.loader, self.config = hydra_context.config_loader, config
+
+    def sweep(self, arguments: list[str]) -> None:
+        from pipeline import tuning  # Ray Tune's imports, only when this sweeper runs
+        from pipeline.config import PipelineError
+
+        try:
+            tuning.sweep(self.config, self.loader, arguments, self.settings)
+        except PipelineError as err:
+            logging.getLogger("pipeline").error("%s", err)
+            sys.exit(1)

@@ -1,0 +1,70 @@
+"""Runs in a Ray Tune trial actor (one per trial, on any node of the cluster): the pipeline's training
+job for one sampled point of a ``hparams_search=tune`` sweep, reported to Tune.
+
+The trial writes nothing to MLflow: Ray Train's ``TuneReportCallback`` hands each epoch's report to
+Tune, and the sweep's driver (``tuning.py``) records it. A trial's checkpoints live under its Tune
+trial id, so a trial that Tune restarts (a resumed sweep) continues from its latest one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from pipeline import preprocess, source, trainer
+from pipeline.config import check_values
+
+GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
+
+
+def trial_config(bases: dict[str, DictConfig], params: dict) -> dict:
+    """The resolved config of a trial: the base composed for its group choices, with its sampled
+    values set as Hydra would set ``key=value`` (typed by the schema, so a wrong type fails here)."""
+    cfg = copy.deepcopy(bases[params.get(GROUP_KEY, "")])
+    for key, value in params.items():
+        if key != GROUP_KEY:
+            OmegaConf.update(cfg, key, value, merge=False)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def trial_dir(sweep_dir: str, trial_id: str) -> str:
+    """A trial's output directory: its checkpoints (with storage.path unset) and the driver's records."""
+    return os.path.join(sweep_dir, trial_id)
+
+
+def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> None:
+    """Tune's trainable: the trial's config checked, its datasets built, then ``TorchTrainer.fit``."""
+    cfg = trial_config(bases, params)
+    check_values(cfg)
+    data = preprocess.training_data(cfg, source.prepare(cfg["source"]))
+    trial_id = tune.get_context().get_trial_id()
+    storage = trainer.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
+    try:
+        trainer.fit(cfg, data, storage, TrialEvents(), callbacks=(TuneReportCallback(),))
+    finally:
+        ray.kill(data.epoch_counter)
+
+
+class TrialEvents:
+    """The workers' events in a trial: each report's ranks checked to agree (a disagreement fails the
+    trial); progress, restores and placement reach the driver in the reports themselves."""
+
+    def report_event(self, event: dict) -> None:
+        trainer.checked_ranks(event)
+
+    def progress_event(self, event: dict) -> None:
+        pass
+
+    def worker_event(self, event: dict) -> None:
+        pass
+
+    def restored_event(self, event: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,310 @@
+"""Hydra sweeps on Ray Tune (``hparams_search=tune``), on the driver: the search space from Hydra's
+sweep syntax, a ``Tuner`` whose trials each run the pipeline's training job (``trial.py``, in Tune's
+trial actors, as many at once as the cluster holds), and every trial recorded in MLflow from here.
+
+Hydra's syntax maps onto Tune's search space: a comma list or ``range()`` is a grid (every value, as
+Hydra's basic sweeper does) with Tune's random/grid generator, ``choice()`` is sampled, and
+``interval()`` (with ``tag(log, ...)`` or ``tag(int, ...)``) is a continuous range; a model-based
+search algorithm (HyperOpt) samples every one of them. Config groups (``model=mlp,vit``) are
+composed here, once per combination, so trials on any node need no config files.
+
+A sweep keeps Tune's state in ``<sweep dir>/tune``: the same command with the same ``hydra.sweep.dir``
+continues it (finished trials stay, unfinished ones continue from their checkpoints).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import hydra
+import ray
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from ray import tune
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from pipeline import console, run, tracking, trainer
+from pipeline.config import PipelineError, active_steps, lower_is_better
+from pipeline.run import Job
+from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir
+from pipeline.worker import CHECKPOINT_FILE
+
+log = logging.getLogger("pipeline")
+TUNE_DIR = "tune"  # <sweep dir>/tune: Tune's experiment state, what a resumed sweep restores
+SWEEP_FILE = "tune_sweep.yaml"  # <sweep dir>/tune_sweep.yaml: the sweep as first run, to refuse a different one
+# A trial's actor only waits on the Ray Train run it starts (whose workers hold the resources); Tune
+# needs a non-zero request, so it takes a sliver of a CPU.
+TRIAL_ACTOR_CPU = 0.01
+TRIAL_TAG = "pipeline.tune_trial_id"
+
+
+def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig) -> None:
+    """Run (or continue) the sweep that ``arguments`` (the command line) and ``settings.params``
+    describe; each trial is a child run of the sweep's parent run in MLflow."""
+    console.quiet_libraries()
+    sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(
+        [*(f"{key}={value}" for key, value in (settings.params or {}).items()), *arguments]  # the command line wins
+    )
+    generator = settings.search_alg or {"_target_": f"{BasicVariantGenerator.__module__}.BasicVariantGenerator"}
+    search_alg = hydra.utils.instantiate(generator)
+    grid = isinstance(search_alg, BasicVariantGenerator)
+    fixed = [o.input_line for o in overrides if not o.is_sweep_override()]
+    groups = {o.get_key_element(): o for o in overrides if o.is_sweep_override() and is_group(config, o)}
+    space = {
+        o.get_key_element(): domain(o, grid) for o in overrides if o.is_sweep_override() and o not in groups.values()
+    }
+    combos = group_combinations(groups)
+    bases = {name: base_config(loader, config, [*fixed, *choices]) for name, choices in combos.items()}
+    if len(combos) > 1:
+        space[GROUP_KEY] = (tune.grid_search if grid else tune.choice)(list(combos))
+    if not space:
+        raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
+
+    first = OmegaConf.to_container(next(iter(bases.values())), resolve=True)
+    splits = {name: run.preflight(OmegaConf.to_container(base, resolve=True)) for name, base in bases.items()}
+    metric = first["optimized_metric"]
+    experiment = config.hydra.runtime.choices.get("experiment") or "default"
+    scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
+    recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, bases=bases, sweep_dir=sweep_dir), {"CPU": TRIAL_ACTOR_CPU}
+    )
+    path = os.path.join(sweep_dir, TUNE_DIR)
+    described = {"arguments": list(arguments), "settings": OmegaConf.to_container(settings, resolve=True)}
+    if tune.Tuner.can_restore(path):
+        check_same_sweep(sweep_dir, described)
+        log.info("continuing the sweep in %s: finished trials stay, unfinished ones resume", sweep_dir)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=False, param_space=space)
+    else:
+        os.makedirs(sweep_dir, exist_ok=True)
+        with open(os.path.join(sweep_dir, SWEEP_FILE), "w") as out:
+            yaml.safe_dump(described, out)
+        concurrent = settings.max_concurrent_trials or concurrency(first, ray.cluster_resources())
+        log.info("sweep %s on Ray Tune: up to %d trial(s) at once", sweep_dir, concurrent)
+        if grid:  # Tune applies max_concurrent_trials to a Searcher only; its generator takes it itself
+            search_alg = hydra.utils.instantiate(generator, max_concurrent=concurrent)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            tune_config=tune.TuneConfig(
+                metric=metric,
+                mode="min" if lower_is_better(metric) else "max",
+                search_alg=search_alg,
+                scheduler=hydra.utils.instantiate(settings.scheduler) if settings.scheduler else None,
+                num_samples=settings.num_samples,
+                max_concurrent_trials=concurrent,
+            ),
+            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=sweep_dir, callbacks=[recorder], verbose=0),
+        )
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a finished trial is in Tune's saved state at once
+    tuner.fit()
+
+
+def is_group(config: DictConfig, override: Override) -> bool:
+    """Whether the override chooses a config group (``model=mlp,vit``) rather than sets a value."""
+    return override.get_key_element() in config.hydra.runtime.choices
+
+
+def domain(override: Override, grid: bool):
+    """A Tune search space for one Hydra sweep override (see the module's docstring)."""
+    key, sweep = override.get_key_element(), override.value()
+    if isinstance(sweep, IntervalSweep):
+        low, high = sweep.start, sweep.end
+        if "int" in sweep.tags:
+            return (tune.lograndint if "log" in sweep.tags else tune.randint)(int(low), int(high) + 1)
+        return (tune.loguniform if "log" in sweep.tags else tune.uniform)(low, high)
+    if isinstance(sweep, (ChoiceSweep, RangeSweep)):
+        values = list(override.sweep_iterator())
+        simple = isinstance(sweep, RangeSweep) or sweep.simple_form
+        return tune.grid_search(values) if grid and simple else tune.choice(values)
+    raise PipelineError(f"hparams_search=tune: cannot sweep {key} with {override.input_line!r}.")
+
+
+def group_combinations(groups: dict[str, Override]) -> dict[str, list[str]]:
+    """Every combination of the swept config groups, by name (``model=mlp optim=sgd``), as overrides."""
+    choices = [[f"{key}={value}" for value in override.sweep_iterator()] for key, override in groups.items()]
+    return {" ".join(combo): list(combo) for combo in itertools.product(*choices)}
+
+
+def base_config(loader, config: DictConfig, overrides: list[str]) -> DictConfig:
+    """The job config Hydra composes for ``overrides``, without its ``hydra`` node: typed by the
+    schema, interpolations unresolved (a trial's values change what they resolve to)."""
+    composed = loader.load_sweep_config(config, overrides)
+    with read_write(composed), open_dict(composed):
+        del composed["hydra"]
+    return composed
+
+
+def concurrency(cfg: dict, resources: dict) -> int:
+    """Trials at once, when ``max_concurrent_trials`` is unset: as many as the runtime holds, each
+    taking its training workers' resources and at least a CPU for its preprocessing."""
+    scaling = cfg["scaling"]
+    transform_cpus = max(
+        (s["num_cpus"] for split in cfg["transforms"].values() for s in active_steps(split).values()), default=0
+    )
+    need = {key: amount * scaling["num_workers"] for key, amount in scaling["resources_per_worker"].items()}
+    need["CPU"] = need.get("CPU", 0) + max(transform_cpus, 1)
+    return max(1, min(math.floor(resources.get(key, 0) / amount) for key, amount in need.items() if amount > 0))
+
+
+def check_same_sweep(sweep_dir: str, described: dict) -> None:
+    """A sweep continues only as it began: Tune restores its first search space and algorithm."""
+    with open(os.path.join(sweep_dir, SWEEP_FILE)) as file:
+        before = yaml.safe_load(file)
+    if before != described:
+        raise PipelineError(
+            f"hydra.sweep.dir={sweep_dir} holds a sweep begun with other arguments or settings "
+            f"({before['arguments']}); continue it with those, or start a new one in another hydra.sweep.dir."
+        )
+
+
+def error_text(trial) -> str:
+    """A failed trial's traceback, from the file Tune writes beside its driver (or from storage)."""
+    path = trial.error_file
+    if path and os.path.exists(path):
+        with open(path) as file:
+            return file.read()
+    return trial.get_error() or "the trial failed; Tune recorded no error."
+
+
+def trial_overrides(params: dict) -> list[str]:
+    """A trial's sampled values as Hydra overrides (``optim.lr=0.0012``)."""
+    shown = []
+    for key, value in params.items():
+        shown.append(
+            value if key == GROUP_KEY else f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        )
+    return shown
+
+
+@dataclass
+class OpenTrial:
+    """A running trial as the driver sees it: its MLflow run, resolved config and checkpoint storage."""
+
+    tracker: tracking.Tracker
+    cfg: dict
+    storage: trainer.RunStorage
+
+
+class TrialRecorder(tune.Callback):
+    """Runs in the sweep's driver (Tune calls it there): each trial's MLflow run, from its start to its
+    end, nested under the sweep's parent run. A trial a scheduler stopped ends FINISHED, tagged
+    ``pipeline.stopped_early``; a trial that failed ends FAILED with its error."""
+
+    def __init__(self, bases: dict, splits: dict, sweep_dir: str, experiment: str, fixed: list[str], scheduler):
+        self.bases, self.splits, self.sweep_dir, self.experiment = bases, splits, sweep_dir, experiment
+        self.fixed, self.scheduler = fixed, scheduler
+        self.open_trials: dict[str, OpenTrial] = {}
+        self.groups: dict[str, str] = {}  # trial id -> its training placement group
+
+    def __getstate__(self) -> dict:  # Tune saves its callbacks with the sweep's state: open runs stay here
+        return {**self.__dict__, "open_trials": {}, "groups": {}}
+
+    def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
+        trial_id, params = trial.trial_id, trial.config
+        cfg = trial_config(self.bases, params)
+        tracker = self.reopen(cfg, trial_id) or self.open(cfg, trial_id, params)
+        storage = trainer.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
+        tracker.set_storage(storage.uri)
+        self.open_trials[trial_id] = OpenTrial(tracker, cfg, storage)
+        log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))
+
+    def open(self, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
+        """A new child run, named for its number in the sweep and its sampled values."""
+        overrides = [*self.fixed, *trial_overrides(params)]
+        shown = " ".join(o for o in overrides if o != f"+experiment={self.experiment}")
+        name = f"trial {len(self.children(cfg))}: {shown}"
+        tracker = tracking.Tracker.open(
+            cfg, Job(trial_dir(self.sweep_dir, trial_id), self.experiment, overrides, self.sweep_dir, name)
+        )
+        tracker.client.set_tag(tracker.run_id, TRIAL_TAG, trial_id)
+        tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
+        return tracker
+
+    def reopen(self, cfg: dict, trial_id: str) -> tracking.Tracker | None:
+        """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
+        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        experiment = tracking.experiment_id(client, uri, self.experiment_name(cfg), cfg["paths"]["outputs"])
+        found = tracking.runs_where(client, experiment, TRIAL_TAG, trial_id)
+        if not found:
+            return None
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        if tracking.ERROR_TAG in found[0].data.tags:
+            client.delete_tag(run_id, tracking.ERROR_TAG)
+        log.info("trial %s continues in MLflow run %s", trial_id, run_id)
+        return tracking.Tracker(client, uri, run_id, None, time.time(), tracking.epoch_metrics(cfg))
+
+    def children(self, cfg: dict) -> list:
+        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        experiment = tracking.experiment_id(client, uri, self.experiment_name(cfg), cfg["paths"]["outputs"])
+        parent = tracking.sweep_parent(client, experiment, self.sweep_dir)
+        return tracking.runs_where(client, experiment, "mlflow.parentRunId", parent)
+
+    def experiment_name(self, cfg: dict) -> str:
+        return cfg["tracking"]["experiment_name"] or self.experiment
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
+        if result.get("epoch") is None:  # Tune's own final result of a trial
+            return
+        running = self.open_trials[trial.trial_id]
+        tracker = running.tracker
+        tracker.log_epoch(result)
+        if result.get("placement_group"):
+            self.groups[trial.trial_id] = result["placement_group"]
+        if "node_id" in result:
+            tracker.client.set_tag(tracker.run_id, "pipeline.node_id", result["node_id"])
+        with open(os.path.join(trial_dir(self.sweep_dir, trial.trial_id), "metrics.jsonl"), "a") as out:
+            out.write(json.dumps({k: v for k, v in result.items() if k != "config"}, default=str) + "\n")
+        log.info(
+            "trial %s: %s",
+            trial.trial_id,
+            console.format_metrics(result["epoch"], running.cfg["train"]["epochs"], result),
+        )
+
+    def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
+        running = self.end_of(trial)
+        if running is None:
+            return
+        tracker, epochs = running.tracker, running.cfg["train"]["epochs"]
+        done = max(tracker.logged, default=-1) + 1
+        if done == 0:
+            tracker.end("FAILED", PipelineError("the trial ended without reporting an epoch."))
+            return
+        if done < epochs:
+            note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
+            tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
+            log.info("trial %s stopped early %s", trial.trial_id, note)
+        checkpoint = (trial.last_result or {}).get("checkpoint_path")
+        if running.cfg["tracking"]["log_model"] and checkpoint:
+            with ray.train.Checkpoint(checkpoint, running.storage.filesystem).as_directory() as path:
+                tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
+        tracker.end("FINISHED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+        running = self.end_of(trial)
+        if running is not None:
+            error = PipelineError(trainer.root_cause(RuntimeError(error_text(trial))))
+            log.error("trial %s failed: %s", trial.trial_id, error)
+            running.tracker.end("FAILED", error)
+
+    def on_experiment_end(self, trials: list, **info) -> None:
+        """Trials still open when the sweep stops (Ctrl-C): KILLED, to be continued by a resumed sweep."""
+        for trial_id in list(self.open_trials):
+            self.open_trials.pop(trial_id).tracker.end("KILLED")
+
+    def end_of(self, trial) -> OpenTrial | None:
+        """The trial, no longer open, with its placement group released (see trainer.py)."""
+        group = self.groups.pop(trial.trial_id, None)
+        if group is not None:
+            trainer.release_placement_group(group)
+        return self.open_trials.pop(trial.trial_id, None)
