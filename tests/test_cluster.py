@@ -122,3 +122,36 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
     table = pq.read_table(tmp_path / "predictions")
     assert table.num_rows == predicted.data.metrics["predict_rows"] == run.data.metrics["val_rows"]
     assert predicted.data.metrics["predict_accuracy"] == pytest.approx(run.data.metrics["val_accuracy"], abs=0.01)
+
+
+@pytest.mark.slow
+def test_a_tune_sweep_runs_its_trials_on_both_nodes(tmp_path, cluster):
+    """Two trials at once, each worker taking the one ``trial_slot`` a node has: one trial per node,
+    recorded in MLflow by the driver (the tag is rank 0's node, from the trial's reports)."""
+    result = run_cli(
+        [
+            "-m",
+            "+experiment=wine_mlp",
+            "hparams_search=tune",
+            "hydra/sweeper/scheduler=fifo",
+            "optim.lr=3e-3,1e-2",
+            "hydra.sweeper.num_samples=1",
+            "hydra.sweeper.max_concurrent_trials=2",
+            "train.epochs=2",
+            f"ray.address={cluster['address']}",
+            f"storage.path={tmp_path / 'storage'}",
+            "scaling.resources_per_worker.CPU=0.5",
+            "+scaling.resources_per_worker.trial_slot=1",
+            "hydra.sweep.dir=sweep",
+        ],
+        tmp_path,
+        tmp_path / "data",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("wine_mlp").experiment_id])
+    trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(trials) == 2 and all(t.info.status == "FINISHED" for t in trials)
+    assert {t.data.tags["pipeline.node_id"] for t in trials} == {cluster["cpu_node"], cluster["gpu_node"]}
+    assert all(t.data.tags["pipeline.storage"].startswith(str(tmp_path / "storage")) for t in trials)

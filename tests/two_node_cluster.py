@@ -1,7 +1,8 @@
 """A real two-node Ray cluster on 127.0.0.1, kept alive in its own process (tests/test_cluster.py).
 
 The head is the "CPU node" (resource ``cpu_node``, label ``node-type=cpu``); the second raylet
-stands in for a GPU node (resource ``gpu_node``, label ``node-type=gpu``). Prints one JSON line
+stands in for a GPU node (resource ``gpu_node``, label ``node-type=gpu``). Each has one ``trial_slot``,
+so a Tune sweep whose workers take one runs a trial on each node. Prints one JSON line
 (GCS address, dashboard URL, node ids), then serves until its stdin closes or SIGTERM, and shuts down.
 """
 
@@ -22,7 +23,7 @@ def main(dashboard_port: int) -> None:
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
-            "resources": {"cpu_node": 4},
+            "resources": {"cpu_node": 4, "trial_slot": 1},
             "labels": {"node-type": "cpu"},
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
@@ -31,7 +32,10 @@ def main(dashboard_port: int) -> None:
         },
     )
     gpu = cluster.add_node(
-        num_cpus=2, resources={"gpu_node": 2}, labels={"node-type": "gpu"}, object_store_memory=300 * 2**20
+        num_cpus=2,
+        resources={"gpu_node": 2, "trial_slot": 1},
+        labels={"node-type": "gpu"},
+        object_store_memory=300 * 2**20,
     )
     cluster.wait_for_nodes()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # killed, still shut the cluster down

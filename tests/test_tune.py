@@ -1,0 +1,137 @@
+"""Sweeps on Ray Tune (hparams_search=tune) end to end, from a separate process as a user runs them:
+trials at once, a scheduler stopping a bad trial, MLflow written by the driver only, and a sweep
+killed with SIGKILL continued by the same command. (The two-node sweep is in test_cluster.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from test_pipeline import cli_env, run_cli
+
+# scikit-learn's wine data (written offline on first use): a sweep of tiny MLPs, lr=0 the clearly bad one,
+# listed last so that the scheduler has the others' results when it reaches its first rung.
+WINE_SWEEP = [
+    "-m",
+    "+experiment=wine_mlp",
+    "hparams_search=tune",
+    "optim.lr=3e-3,1e-2,1e-3,0",
+    "hydra.sweeper.num_samples=1",
+    "hydra.sweeper.max_concurrent_trials=2",
+    "train.epochs=4",
+    "ray.num_cpus=4",  # two trials' workers (1 CPU each) and their data tasks on this 2-core machine
+    "hydra.sweep.dir=sweep",
+]
+
+
+def sweep_runs(workdir: Path, experiment: str = "wine_mlp") -> tuple:
+    client = MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = sorted((r for r in runs if r is not parent), key=lambda r: r.info.start_time)
+    return client, parent, children
+
+
+def epochs_logged(client: MlflowClient, run) -> list[int]:
+    return [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
+
+
+@pytest.fixture(scope="module")
+def wine_sweep(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tune")
+    return workdir, run_cli(WINE_SWEEP, workdir, workdir / "data")
+
+
+@pytest.mark.slow
+def test_trials_run_two_at_once_and_the_scheduler_stops_the_bad_one(wine_sweep):
+    workdir, result = wine_sweep
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "4 jobs, 0 failed" in output and "Traceback" not in output
+    client, parent, children = sweep_runs(workdir)
+    assert len(children) == 4 and len({c.data.tags["pipeline.tune_trial_id"] for c in children}) == 4
+    assert sorted(float(c.data.params["optim.lr"]) for c in children) == [0, 1e-3, 3e-3, 1e-2]
+
+    # the runs' own recorded windows: some overlap, never more than two at once
+    windows = [(c.info.start_time, c.info.end_time) for c in children]
+    assert any(a[0] < b[1] and b[0] < a[1] for a, b in combinations(windows, 2))
+    assert all(sum(s <= start < e for s, e in windows) <= 2 for start, _ in windows)
+
+    (bad,) = [c for c in children if float(c.data.params["optim.lr"]) == 0]
+    assert bad.info.status == "FINISHED" and "by ASHAScheduler" in bad.data.tags["pipeline.stopped_early"]
+    assert epochs_logged(client, bad) == list(range(len(epochs_logged(client, bad))))
+    assert len(epochs_logged(client, bad)) < 4  # stopped before its last epoch, its metrics kept
+    assert "STOPPED" in output
+
+    best = max(children, key=lambda c: c.data.metrics["val_accuracy"])
+    assert best.data.metrics["val_accuracy"] > 0.8 and "pipeline.stopped_early" not in best.data.tags
+    assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
+    assert {"config.yaml", "model", "learning_curve.png"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
+    trial = best.data.tags["pipeline.tune_trial_id"]
+    assert (workdir / "sweep" / trial / "metrics.jsonl").exists()
+    assert best.data.tags["pipeline.storage"].startswith(str(workdir / "sweep" / trial / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tmp_path):
+    """SIGKILL to the command once a trial has finished; the same command then ends the sweep: every
+    trial in MLflow once, the finished one untouched, the interrupted one continued in its own run."""
+    args = [
+        "-m",
+        "+experiment=wine_mlp",
+        "hparams_search=tune",
+        "hydra/sweeper/scheduler=fifo",
+        "optim.lr=3e-3,1e-2,1e-3",
+        "hydra.sweeper.num_samples=1",
+        "hydra.sweeper.max_concurrent_trials=1",
+        "train.epochs=3",
+        "ray.num_cpus=4",
+        "hydra.sweep.dir=sweep",
+    ]
+    command = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "data"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and command.poll() is None:
+            time.sleep(2)
+            if (tmp_path / "outputs" / "mlflow.db").exists() and (tmp_path / "sweep" / "tune").exists():
+                try:
+                    _, _, children = sweep_runs(tmp_path)
+                except (ValueError, AttributeError):  # no parent yet
+                    continue
+                if any(c.info.status == "FINISHED" for c in children):
+                    break
+        assert command.poll() is None, "the sweep ended before the test could kill it"
+        time.sleep(3)  # Tune saves its state every second: the finished trial is in it
+        os.kill(command.pid, signal.SIGKILL)
+    finally:
+        command.kill()
+        command.wait()
+    client, _, before = sweep_runs(tmp_path)
+    finished = {c.data.tags["pipeline.tune_trial_id"]: c for c in before if c.info.status == "FINISHED"}
+    assert finished and len(finished) < 3  # killed between trials' ends, not after the last
+
+    result = run_cli(args, tmp_path, tmp_path / "data")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "continuing the sweep" in output and "3 jobs, 0 failed" in output
+    client, parent, after = sweep_runs(tmp_path)
+    trials = [c.data.tags["pipeline.tune_trial_id"] for c in after]
+    assert len(after) == 3 and len(set(trials)) == 3  # every trial exactly once
+    assert all(c.info.status == "FINISHED" and epochs_logged(client, c) == [0, 1, 2] for c in after)
+    for trial, run in finished.items():  # not re-run: the run is as the killed sweep left it
+        (again,) = [c for c in after if c.data.tags["pipeline.tune_trial_id"] == trial]
+        assert again.info.end_time == run.info.end_time
+    assert parent.info.status == "FINISHED"
