@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("ingest.py", "train.py", "sweep_overhead.py")
+SCRIPTS = ("ingest.py", "train.py", "sweep_overhead.py", "tune_sweep.py")
 
 if __name__ == "__main__":
     for script in SCRIPTS:

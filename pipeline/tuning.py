@@ -101,7 +101,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
                 search_alg=search_alg,
                 scheduler=hydra.utils.instantiate(settings.scheduler) if settings.scheduler else None,
                 num_samples=settings.num_samples,
-                max_concurrent_trials=concurrent,
+                max_concurrent_trials=None if grid else concurrent,
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, storage_path=sweep_dir, callbacks=[recorder], verbose=0),
         )
@@ -301,6 +301,11 @@ class TrialRecorder(tune.Callback):
         """Trials still open when the sweep stops (Ctrl-C): KILLED, to be continued by a resumed sweep."""
         for trial_id in list(self.open_trials):
             self.open_trials.pop(trial_id).tracker.end("KILLED")
+            log.warning(
+                "trial %s interrupted; continue the sweep with the same command plus: hydra.sweep.dir=%s",
+                trial_id,
+                self.sweep_dir,
+            )
 
     def end_of(self, trial) -> OpenTrial | None:
         """The trial, no longer open, with its placement group released (see trainer.py)."""

@@ -12,6 +12,7 @@ import ray.cloudpickle
 import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
+from ray.util.placement_group import PlacementGroup
 
 from pipeline.trainer import explain, release_placement_group, root_cause
 
@@ -105,7 +106,7 @@ def test_a_tune_trial_stopped_early_leaves_its_training_placement_group_behind(r
         run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), stop={"epoch": 1}, verbose=0),
     ).fit()
     group_id = results[0].metrics["placement_group"]
-    group = ray.util.placement_group.PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
     assert ray.util.placement_group_table(group)["state"] == "CREATED", (
         "Ray now removes a stopped trial's placement group: release_placement_group may go"
     )
