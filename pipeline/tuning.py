@@ -69,8 +69,9 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     if not space:
         raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
 
-    first = OmegaConf.to_container(next(iter(bases.values())), resolve=True)
-    splits = {name: run.preflight(OmegaConf.to_container(base, resolve=True)) for name, base in bases.items()}
+    resolved = {name: OmegaConf.to_container(base, resolve=True) for name, base in bases.items()}
+    splits = {name: run.preflight(cfg) for name, cfg in resolved.items()}
+    first = next(iter(resolved.values()))
     metric = first["optimized_metric"]
     experiment = config.hydra.runtime.choices.get("experiment") or "default"
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
@@ -78,6 +79,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, bases=bases, sweep_dir=sweep_dir), {"CPU": TRIAL_ACTOR_CPU}
     )
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a finished trial is in Tune's saved state at once
     path = os.path.join(sweep_dir, TUNE_DIR)
     described = {"arguments": list(arguments), "settings": OmegaConf.to_container(settings, resolve=True)}
     if tune.Tuner.can_restore(path):
@@ -105,7 +107,6 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
             ),
             run_config=tune.RunConfig(name=TUNE_DIR, storage_path=sweep_dir, callbacks=[recorder], verbose=0),
         )
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a finished trial is in Tune's saved state at once
     tuner.fit()
 
 
@@ -232,8 +233,7 @@ class TrialRecorder(tune.Callback):
 
     def reopen(self, cfg: dict, trial_id: str) -> tracking.Tracker | None:
         """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
-        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-        experiment = tracking.experiment_id(client, uri, self.experiment_name(cfg), cfg["paths"]["outputs"])
+        client, uri, experiment = self.store(cfg)
         found = tracking.runs_where(client, experiment, TRIAL_TAG, trial_id)
         if not found:
             return None
@@ -245,13 +245,15 @@ class TrialRecorder(tune.Callback):
         return tracking.Tracker(client, uri, run_id, None, time.time(), tracking.epoch_metrics(cfg))
 
     def children(self, cfg: dict) -> list:
-        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-        experiment = tracking.experiment_id(client, uri, self.experiment_name(cfg), cfg["paths"]["outputs"])
+        client, _, experiment = self.store(cfg)
         parent = tracking.sweep_parent(client, experiment, self.sweep_dir)
         return tracking.runs_where(client, experiment, "mlflow.parentRunId", parent)
 
-    def experiment_name(self, cfg: dict) -> str:
-        return cfg["tracking"]["experiment_name"] or self.experiment
+    def store(self, cfg: dict) -> tuple:
+        """The MLflow client, store URI and experiment id the sweep's runs go to."""
+        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        name = cfg["tracking"]["experiment_name"] or self.experiment
+        return client, uri, tracking.experiment_id(client, uri, name, cfg["paths"]["outputs"])
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         if result.get("epoch") is None:  # Tune's own final result of a trial
