@@ -212,6 +212,7 @@ class TrialRecorder(tune.Callback):
 
     def on_trial_start(self, iteration: int, trials: list, trial, **info) -> None:
         trial_id, params = trial.trial_id, trial.config
+        os.makedirs(trial_dir(self.sweep_dir, trial_id), exist_ok=True)  # its metrics.jsonl, wherever checkpoints go
         cfg = trial_config(self.bases, params)
         tracker = self.reopen(cfg, trial_id) or self.open(cfg, trial_id, params)
         storage = trainer.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
