@@ -8,7 +8,7 @@ import torch
 from conftest import compose_cfg, jpeg, write_split
 from PIL import Image
 
-from transforms import decode_image, random_crop, random_flip
+from transforms import decode_image, random_crop, random_flip, random_resized_crop
 
 
 def images(n: int = 4, seed: int = 0) -> np.ndarray:
@@ -161,6 +161,88 @@ def test_seeded_augmentation_depends_on_the_row_not_its_batch_or_order(augment):
     np.testing.assert_array_equal(augment({"image": batch[5:9]}, seed=7)["image"], once[5:9])
     assert not np.array_equal(augment({"image": batch}, seed=8)["image"], once)
     assert sum(not np.array_equal(a, b) for a, b in zip(batch, once)) > 4  # the seed does not turn it off
+
+
+def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A smooth RGB image (gradients and a few blobs): JPEG keeps it close, resizing is comparable."""
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    rng = np.random.default_rng(seed)
+    channels = [
+        np.sin(6 * x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) + np.cos(5 * y * rng.uniform(0.5, 2)) for _ in range(3)
+    ]
+    return np.clip(np.dstack(channels) * 60 + 128, 0, 255).astype(np.uint8)
+
+
+def test_validation_resize_and_center_crop_match_torchvision_on_mixed_sizes():
+    """decode_image(size=224, resize=256) is torchvision's Resize(256) + CenterCrop(224), on any size,
+    whether the JPEG is decoded at full size (small images) or at 1/2 scale (a 1200-pixel one)."""
+    from torchvision.transforms import v2
+
+    pictures = [photo(300, 400, 1), photo(517, 389, 2), photo(1200, 1000, 3)]
+    values = [jpeg(p) for p in pictures[:2]] + [{"bytes": jpeg(pictures[2]), "path": "big.jpg"}]
+    out = decode_image({"image": np.array(values, dtype=object)}, size=224, resize=256)["image"]
+    assert out.shape == (3, 3, 224, 224) and out.dtype == np.uint8
+    reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
+    for got, picture in zip(out, pictures):
+        expected = reference(torch.from_numpy(picture).permute(2, 0, 1)).numpy()
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 3  # JPEG and rounding, not a shifted window
+
+
+def test_random_resized_crop_matches_torchvision_for_the_same_window():
+    """The window is torchvision's (its get_params, fed our per-row numbers), cut and resized as its
+    resized_crop does; a window at least twice the output is decoded at a DCT-reduced scale."""
+    from torchvision.transforms.v2 import functional
+
+    from transforms.image import CROP_TRIES, _crop_box, row_uniform
+
+    pictures = [photo(375, 500, 4), photo(480, 360, 5), photo(1400, 1100, 6)]
+    column = np.array([jpeg(p) for p in pictures], dtype=object)
+    out = random_resized_crop({"image": column}, size=96, seed=11, epoch=3)["image"]
+    assert out.shape == (3, 3, 96, 96) and out.dtype == np.uint8
+    draws = row_uniform(column, 11, 3, salt=3, draws=4 * CROP_TRIES)
+    for got, picture, u in zip(out, pictures, draws):
+        top, left, h, w = _crop_box(*picture.shape[:2], u, (0.08, 1.0), (3 / 4, 4 / 3))
+        assert 0.08 * picture.shape[0] * picture.shape[1] <= h * w * 1.02 and 3 / 4 <= w / h * 1.02 <= 4 / 3 * 1.04
+        image = torch.from_numpy(picture).permute(2, 0, 1)
+        expected = functional.resized_crop(image, top, left, h, w, [96, 96], antialias=True).numpy()
+        assert np.abs(got.astype(int) - expected.astype(int)).mean() < 4
+
+
+def test_random_resized_crop_takes_gray_png_and_structs_and_is_seeded_per_row():
+    gray = photo(200, 260, 7)[..., 0]
+    values = [
+        jpeg(photo(240, 320, 8)),
+        encoded(gray, "PNG"),
+        {"bytes": jpeg(gray), "path": "g.jpg"},
+        jpeg(photo(333, 251)),
+    ]
+    column = np.array(values, dtype=object)
+    once = random_resized_crop({"image": column, "label": np.arange(4)}, size=64, seed=5)
+    assert once["image"].shape == (4, 3, 64, 64)
+    np.testing.assert_array_equal(once["label"], np.arange(4))
+    again = random_resized_crop({"image": column[::-1].copy()}, size=64, seed=5)["image"]
+    np.testing.assert_array_equal(again, once["image"][::-1])  # a row's window does not depend on its batch
+    other_epoch = random_resized_crop({"image": column}, size=64, seed=5, epoch=1)["image"]
+    assert not np.array_equal(other_epoch, once["image"])
+    assert random_resized_crop({"image": column}, size=64, channels=1)["image"].shape == (4, 1, 64, 64)
+    with pytest.raises(ValueError, match=r"random_resized_crop: column 'image' holds b'not.*on_error: skip"):
+        random_resized_crop({"image": np.array([b"not an image"], dtype=object)}, size=64)
+
+
+def test_photos_are_written_offline_at_real_and_varied_sizes(tmp_path):
+    import pyarrow.parquet as pq
+    import simplejpeg
+
+    from pipeline.source import write_photos
+
+    write_photos(str(tmp_path), rows=60, files=3, gray_fraction=0.2)
+    train, valid = pq.read_table(tmp_path / "photos" / "train"), pq.read_table(tmp_path / "photos" / "valid")
+    assert (train.num_rows, valid.num_rows) == (60, 6) and len(list((tmp_path / "photos" / "train").glob("*"))) == 3
+    assert sorted(np.bincount(train.column("label").to_numpy())) == [6] * 10  # 10 photographs, balanced
+    headers = [simplejpeg.decode_jpeg_header(b) for b in train.column("image").to_pylist()]
+    sizes = {(h, w) for h, w, *_ in headers}
+    assert len(sizes) > 30 and all(256 <= min(s) <= 512 and max(s) <= 683 for s in sizes)
+    assert 3 <= sum(colorspace == "Gray" for _, _, colorspace, _ in headers) <= 25
 
 
 def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):

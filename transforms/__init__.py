@@ -5,7 +5,7 @@ and returns a batch. Add one by writing a function here or in any importable mod
 in a ``conf/transforms/*.yaml`` file; ``pipeline/`` needs no change.
 """
 
-from transforms.image import decode_image, random_crop, random_flip
+from transforms.image import decode_image, random_crop, random_flip, random_resized_crop
 from transforms.tabular import stack_features
 
-__all__ = ["decode_image", "random_crop", "random_flip", "stack_features"]
+__all__ = ["decode_image", "random_crop", "random_flip", "random_resized_crop", "stack_features"]

@@ -35,6 +35,7 @@ def decode_image(
     column: str = "image",
     size: int | None = None,
     fit: Literal["center_crop", "stretch"] = "center_crop",
+    resize: int | None = None,
     channels: Literal[1, 3] = 3,
     on_error: Literal["raise", "skip"] = "raise",
     path_column: str = "path",
@@ -42,78 +43,202 @@ def decode_image(
     """Decode a column of encoded images (JPEG, PNG, WebP, ...) into a uint8 array (N, channels, H, W).
 
     A value is the file's bytes, or a struct with a ``bytes`` field (Hugging Face's image layout,
-    ``{bytes, path}``). JPEGs take simplejpeg's path (libjpeg-turbo, no torch import, and with
-    ``size`` a DCT-domain downscale while decoding); other formats go through Pillow. Grayscale,
-    palette and RGBA images become ``channels`` (1: gray, 3: RGB). With ``size``, each image is scaled
-    so its shorter side is ``size`` and center-cropped (``fit: center_crop``), or stretched
-    (``fit: stretch``), to ``size`` x ``size``, so a batch may mix sizes; without it, the images of a
-    batch must share one size. A row that does not decode fails the run with its file and row
-    (``path_column`` is the source file, which the pipeline's reader adds), or with
+    ``{bytes, path}``). JPEGs take simplejpeg's path (libjpeg-turbo); other formats go through Pillow.
+    Grayscale, palette and RGBA images become ``channels`` (1: gray, 3: RGB). With ``size``, each image
+    is scaled so its shorter side is ``resize`` (default ``size``) and its centre ``size`` x ``size``
+    cut out (``fit: center_crop``; ImageNet's validation transform is ``resize: 256, size: 224``), or
+    stretched to ``size`` x ``size`` (``fit: stretch``), so a batch may mix sizes; without it, the
+    images of a batch must share one size. A row that does not decode fails the run with its file and
+    row (``path_column`` is the source file, which the pipeline's reader adds), or with
     ``on_error="skip"`` is dropped and counted in a warning in Ray's worker logs.
     """
+    if fit not in ("center_crop", "stretch"):
+        raise ValueError(f"decode_image: fit must be 'center_crop' or 'stretch', got {fit!r}")
+    if size is None:
+        return _each_row(
+            "decode_image", batch, column, channels, on_error, path_column, lambda _, data: _decode(data, channels)
+        )
+
+    def fitted(_: int, data: bytes) -> np.ndarray:
+        height, width = _dimensions(data)
+        if fit == "stretch":
+            image = _decode(data, channels, _dct_shrink(height, width, size, size))
+            return _resized(image, (0, 0, image.shape[1], image.shape[2]), size)
+        shorter = resize or size
+        side = min(height, width) * size / shorter  # the centre square, in source pixels
+        top, left = (height - side) / 2, (width - side) / 2
+        shrink = _dct_shrink(height, width, height * shorter / min(height, width), width * shorter / min(height, width))
+        return _resized(_decode(data, channels, shrink), (top, left, side, side), size, (height, width))
+
+    return _each_row("decode_image", batch, column, channels, on_error, path_column, fitted, size)
+
+
+def random_resized_crop(
+    batch: Batch,
+    column: str = "image",
+    size: int = 224,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    channels: Literal[1, 3] = 3,
+    on_error: Literal["raise", "skip"] = "raise",
+    path_column: str = "path",
+    seed: int | None = None,
+    epoch: int = 0,
+) -> Batch:
+    """Decode each encoded image and cut a random window of it, resized to ``size`` x ``size``: the
+    ImageNet training crop (torchvision's ``RandomResizedCrop``: a ``scale`` fraction of the area at an
+    aspect ``ratio``, ten tries, then the centre), on a batch of mixed sizes, to uint8 (N, channels, size, size).
+
+    The window is drawn from the image's header before decoding, so a JPEG whose window is at least
+    twice ``size`` is decoded at 1/2, 1/4 or 1/8 scale by libjpeg-turbo (DCT scaling: less work than
+    decoding every pixel and shrinking after). Resizing is bilinear with antialiasing, as torchvision's.
+    Values, errors and ``channels`` as :func:`decode_image`; reproducible per row and epoch with ``seed``
+    (see :func:`row_uniform`). The pipeline passes ``epoch``.
+    """
+    draws = row_uniform(batch[column], seed, epoch, salt=3, draws=4 * CROP_TRIES)
+
+    def cropped(i: int, data: bytes) -> np.ndarray:
+        height, width = _dimensions(data)
+        top, left, h, w = _crop_box(height, width, draws[i], scale, ratio)
+        image = _decode(data, channels, _dct_shrink(height, width, height * size / h, width * size / w))
+        return _resized(image, (top, left, h, w), size, (height, width))
+
+    return _each_row("random_resized_crop", batch, column, channels, on_error, path_column, cropped, size)
+
+
+CROP_TRIES = 10  # torchvision's RandomResizedCrop tries ten windows before it falls back to the centre
+
+
+def _crop_box(
+    height: int, width: int, u: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float]
+) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of a random window, as torchvision's ``RandomResizedCrop.get_params`` draws it,
+    from ``u``: 4 uniform numbers per try."""
+    log_ratio = np.log(ratio)
+    for a, b, c, d in u.reshape(CROP_TRIES, 4):
+        area = height * width * (scale[0] + a * (scale[1] - scale[0]))
+        aspect = np.exp(log_ratio[0] + b * (log_ratio[1] - log_ratio[0]))
+        w, h = round(np.sqrt(area * aspect)), round(np.sqrt(area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(c * (height - h + 1)), int(d * (width - w + 1)), h, w
+    aspect = width / height  # no try fitted: the centre, at the nearest allowed aspect
+    w, h = (width, round(width / min(ratio))) if aspect < min(ratio) else (width, height)
+    if aspect > max(ratio):
+        w, h = round(height * max(ratio)), height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _each_row(
+    step: str,
+    batch: Batch,
+    column: str,
+    channels: int,
+    on_error: str,
+    path_column: str,
+    image_of,
+    size: int | None = None,
+) -> Batch:
+    """``image_of(i, encoded bytes)`` -> (channels, H, W) for every row, stacked into ``column``; a row
+    that fails is named (file and row) in the error raised, or dropped from every column with ``skip``."""
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"decode_image: on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise ValueError(f"{step}: on_error must be 'raise' or 'skip', got {on_error!r}")
     images, keep = [], np.ones(len(batch[column]), dtype=bool)
     for i, value in enumerate(batch[column]):
         try:
-            images.append(_decoded(value, size, fit, gray=channels == 1))
+            images.append(image_of(i, _encoded(value)))
         except Exception as err:  # whatever the decoder raises (ValueError, TypeError for a null), the row is bad
             where = _row_in_file(batch[path_column][i], column, value) if path_column in batch else ""
             if on_error == "raise":
                 raise ValueError(
-                    f"decode_image: column {column!r}{where} holds {value!r:.60}, not an image that decodes "
+                    f"{step}: column {column!r}{where} holds {value!r:.60}, not an image that decodes "
                     f"({type(err).__name__}: {err}); fix the row, or skip such rows with on_error: skip."
                 ) from err
             keep[i] = False
-            log.warning("decode_image: skipped an undecodable row%s", where)
+            log.warning("%s: skipped an undecodable row%s", step, where)
     if not keep.all():
-        log.warning("decode_image: skipped %d of %d rows in this batch", (~keep).sum(), len(keep))
+        log.warning("%s: skipped %d of %d rows in this batch", step, (~keep).sum(), len(keep))
         batch = {key: values[keep] for key, values in batch.items()}
     shapes = {image.shape for image in images}
     if len(shapes) > 1:
-        sizes = ", ".join(sorted(f"{s[1]}x{s[0]}" for s in shapes))
+        sizes = sorted(f"{s[2]}x{s[1]}" for s in shapes)
+        sizes = ", ".join(sizes[:4]) + (f", ... {len(sizes)} sizes" if len(sizes) > 4 else "")
         raise ValueError(
-            f"decode_image: column {column!r} mixes image sizes ({sizes}) in one batch; "
+            f"{step}: column {column!r} mixes image sizes ({sizes}) in one batch; "
             "set size (and fit) on the decode step to bring every image to one size."
         )
     if not images:
         return {**batch, column: np.empty((0, channels, size or 0, size or 0), dtype=np.uint8)}
-    pixels = np.stack(images)  # (N, H, W) gray or (N, H, W, 3)
-    pixels = pixels[:, None] if channels == 1 else pixels.transpose(0, 3, 1, 2)
-    return {**batch, column: np.ascontiguousarray(pixels)}
+    return {**batch, column: np.stack(images)}
 
 
-def _decoded(value: Any, size: int | None, fit: str, gray: bool) -> np.ndarray:
-    """One image as (H, W) or (H, W, 3) uint8, at ``size`` when given."""
+def _encoded(value: Any) -> bytes:
+    """A row's encoded image: the bytes themselves, or a Hugging Face struct's ``bytes`` field."""
     data = value["bytes"] if isinstance(value, dict) else value
     if not isinstance(data, bytes):
         raise TypeError(f"expected bytes or a struct with a 'bytes' field, got {type(data).__name__}")
-    if data[:3] == b"\xff\xd8\xff":  # JPEG: decoded straight to the channels wanted, scaled down in the DCT
+    return data
+
+
+def _is_jpeg(data: bytes) -> bool:
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def _dimensions(data: bytes) -> tuple[int, int]:
+    """(height, width), read from the header without decoding the pixels."""
+    if _is_jpeg(data):
+        return simplejpeg.decode_jpeg_header(data)[:2]
+    width, height = _opened(data).size
+    return height, width
+
+
+def _opened(data: bytes) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ValueError("not a known image format (JPEG, PNG, WebP, GIF, BMP, ...)") from None
+
+
+def _dct_shrink(height: int, width: int, min_height: float, min_width: float) -> int:
+    """The largest of 1, 2, 4, 8 that a JPEG can be shrunk by while decoding and stay at least
+    ``min_height`` x ``min_width``. Only these factors: libjpeg-turbo's others (3/8, 7/8, ...) decode
+    slower than full size."""
+    shrink = 1
+    while shrink < 8 and height / (2 * shrink) >= min_height and width / (2 * shrink) >= min_width:
+        shrink *= 2
+    return shrink
+
+
+def _decode(data: bytes, channels: int, shrink: int = 1) -> np.ndarray:
+    """The image as uint8 (channels, H, W); a JPEG decoded at 1/``shrink`` scale (its DCT does the scaling)."""
+    gray = channels == 1
+    if _is_jpeg(data):
+        height, width = _dimensions(data)
         image = simplejpeg.decode_jpeg(
-            data, colorspace="GRAY" if gray else "RGB", min_height=size or 0, min_width=size or 0
+            data, colorspace="GRAY" if gray else "RGB", min_height=-(-height // shrink), min_width=-(-width // shrink)
         )
-        image = image[..., 0] if gray else image
     else:
-        try:
-            opened = Image.open(io.BytesIO(data))
-        except UnidentifiedImageError:
-            raise ValueError("not a known image format (JPEG, PNG, WebP, GIF, BMP, ...)") from None
-        with opened:
+        with _opened(data) as opened:
             image = np.asarray(opened.convert("L" if gray else "RGB"))
-    if size is None or image.shape[:2] == (size, size):
-        return image
-    return np.asarray(_resized(Image.fromarray(image), size, fit))
+    return image[None] if image.ndim == 2 else image.transpose(2, 0, 1)
 
 
-def _resized(image: Image.Image, size: int, fit: str) -> Image.Image:
-    """``image`` stretched to ``size`` x ``size``, or scaled to a shorter side of ``size`` and center-cropped."""
-    if fit == "stretch":
-        return image.resize((size, size), Image.Resampling.BILINEAR)
-    width, height = image.size
-    scale = size / min(width, height)
-    width, height = max(size, round(width * scale)), max(size, round(height * scale))
-    left, top = (width - size) // 2, (height - size) // 2
-    return image.resize((width, height), Image.Resampling.BILINEAR).crop((left, top, left + size, top + size))
+def _resized(
+    image: np.ndarray, box: tuple[float, float, float, float], size: int, source: tuple[int, int] | None = None
+) -> np.ndarray:
+    """The ``box`` (top, left, height, width; in ``source`` pixels, default the image's own) of a
+    (C, H, W) image, resized to ``size`` x ``size``: bilinear with antialiasing, torch's uint8 kernel
+    (torchvision's resize, and several times faster than Pillow's)."""
+    import torch
+    from torch.nn import functional
+
+    y, x = (image.shape[1] / source[0], image.shape[2] / source[1]) if source else (1.0, 1.0)
+    top, left, height, width = box
+    rows = slice(round(top * y), max(round((top + height) * y), round(top * y) + 1))
+    cols = slice(round(left * x), max(round((left + width) * x), round(left * x) + 1))
+    window = torch.from_numpy(image[:, rows, cols])[None]
+    if window.shape[2:] == (size, size):
+        return window[0].numpy()
+    return functional.interpolate(window, size=(size, size), mode="bilinear", antialias=True)[0].numpy()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -125,19 +250,26 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def row_uniform(images: np.ndarray, seed: int | None, epoch: int, salt: int, draws: int) -> np.ndarray:
-    """``draws`` uniform numbers in [0, 1) per image, shape (N, draws).
+    """``draws`` uniform numbers in [0, 1) per image, shape (N, draws). ``images``: decoded pixels
+    (N, C, H, W), or a column of encoded values.
 
     Unseeded, they are fresh each call. Seeded, each row's numbers depend only on (seed, epoch, the
-    row's pixels, salt), so which task, batch or worker handles a row, and in what order, does not
-    change its augmentation, while each epoch still gets a new one. ``salt`` keeps steps independent.
+    row's pixels or bytes, salt), so which task, batch or worker handles a row, and in what order, does
+    not change its augmentation, while each epoch still gets a new one. ``salt`` keeps steps independent.
     """
     if seed is None:
         return np.random.default_rng().random((len(images), draws))
     images = np.ascontiguousarray(images)
-    keys = np.fromiter((zlib.crc32(image) for image in images), dtype=np.uint64, count=len(images))
+    keys = np.fromiter((_row_key(image) for image in images), dtype=np.uint64, count=len(images))
     base = np.random.SeedSequence([seed, epoch, salt]).generate_state(1, np.uint64)[0]
     counters = (keys[:, None] << np.uint64(32)) + np.arange(draws, dtype=np.uint64)[None, :]
     return (_mix(counters ^ base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _row_key(value: Any) -> int:
+    """A row's hash: of its pixels, or of its encoded bytes (0 for a value that is neither: a null)."""
+    data = value.get("bytes") if isinstance(value, dict) else value
+    return zlib.crc32(data) if isinstance(data, (bytes, np.ndarray)) else 0
 
 
 def random_crop(
