@@ -259,3 +259,58 @@ def write_sklearn(root: str, name: str, valid_fraction: float = 0.2, seed: int =
     table = pa.table({**features, "target": bunch.target})
     for split, rows in (("valid", order[:valid_rows]), ("train", order[valid_rows:])):
         write_parts(table.take(rows), Path(root) / name / split, rows_per_file=len(rows))
+
+
+SKIMAGE_PHOTOS = (
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "hubble_deep_field",
+    "retina",
+    "immunohistochemistry",
+    "stereo_motorcycle",
+)
+
+
+def write_photos(root: str, rows: int = 6400, files: int = 16, gray_fraction: float = 0.05, seed: int = 0) -> None:
+    """Write a photo-like JPEG set at real sizes as ``<root>/photos/{train,valid}/*.parquet`` (``image``
+    bytes, int ``label``), from ten colour photographs that scikit-learn and scikit-image ship (nothing is
+    downloaded). Each row is a random window of one photograph (20-100% of its area), rescaled to a
+    shorter side of 256-512 pixels and an aspect up to 4:3 either way, a ``gray_fraction`` of them
+    grayscale, at JPEG quality 75-95; the label is the photograph (10 classes). ``rows`` training rows
+    in ``files`` files, a tenth as many for validation, shuffled."""
+    import skimage.data
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = list(load_sample_images().images)
+    for name in SKIMAGE_PHOTOS:
+        photo = getattr(skimage.data, name)()
+        photos.append(photo[0] if isinstance(photo, tuple) else photo)  # stereo_motorcycle: (left, right, disparity)
+    photos = [Image.fromarray(photo).convert("RGB") for photo in photos]
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", rows), ("valid", max(rows // 10, 1))):
+        labels = rng.permutation(np.arange(count) % len(photos))
+        images = [photo_window(photos[label], rng, gray_fraction) for label in labels]
+        table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(labels, pa.int64())})
+        write_parts(table, Path(root) / "photos" / split, rows_per_file=-(-count // files))
+
+
+def photo_window(photo, rng: np.random.Generator, gray_fraction: float) -> bytes:
+    """One JPEG: a random window of ``photo`` at a random size (see :func:`write_photos`)."""
+    from PIL import Image
+
+    width, height = photo.size
+    area, aspect = rng.uniform(0.2, 1.0) * width * height, np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    w, h = min(width, round(np.sqrt(area * aspect))), min(height, round(np.sqrt(area / aspect)))
+    left, top = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
+    shorter = int(rng.integers(256, 513))
+    longer = round(shorter * rng.uniform(1.0, 4 / 3))
+    size = (shorter, longer) if rng.random() < 0.5 else (longer, shorter)
+    image = photo.resize(size, Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+    if rng.random() < gray_fraction:
+        image = image.convert("L")
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=int(rng.integers(75, 96)))
+    return buffer.getvalue()

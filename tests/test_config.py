@@ -46,10 +46,11 @@ def test_every_experiment_composes_and_validates(experiment):
     validate(cfg)
     import hydra.utils
 
-    model = hydra.utils.instantiate(cfg["model"])
-    tabular = "in_channels" in cfg["model"]  # an MLP over a vector of features, else a ViT over 32x32 RGB
-    inputs = torch.zeros(1, cfg["model"]["in_channels"]) if tabular else torch.zeros(1, 3, 32, 32)
-    assert model(inputs).shape == (1, cfg["source"]["num_classes"] or 1)  # classes, or one number
+    model = hydra.utils.instantiate(cfg["model"]).eval()
+    tabular = "in_channels" in cfg["model"]  # an MLP over a vector of features, else a CNN or ViT over RGB
+    side = ((cfg["transforms"]["train"].get("crop") or {}).get("fn") or {}).get("size", 32)  # what training crops
+    inputs = torch.zeros(2, cfg["model"]["in_channels"]) if tabular else torch.zeros(2, 3, side, side)
+    assert model(inputs).shape == (2, cfg["source"]["num_classes"] or 1)  # classes, or one number
 
 
 NO_DEFAULT = object()
