@@ -164,6 +164,9 @@ class TrackingConfig:
     experiment_name: Optional[str] = None  # null: the +experiment=NAME chosen, else "default"
     run_name: Optional[str] = None
     log_model: bool = True
+    log_every_n_steps: int = 50  # rank 0's batch loss as train_loss_step (MLflow step: global step); 0: off
+    system_metrics_s: Optional[float] = 10.0  # MLflow's system metrics (CPU, memory, GPU) every N s; null: off
+    data_wait_warning: float = 0.2  # an epoch whose data_wait_fraction is above this says so (console, MLflow)
 
 
 @dataclass

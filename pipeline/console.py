@@ -24,13 +24,26 @@ def quiet_libraries() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
-def format_metrics(epoch: int, epochs: int, metrics: dict) -> str:
-    """One line per epoch: losses, the task's validation metrics, throughput and data wait."""
+def format_metrics(epoch: int, epochs: int, metrics: dict, wait_limit: float) -> str:
+    """One line per epoch: losses, the task's validation metrics, throughput and data wait, and what
+    to change when training waited for data more than ``wait_limit`` of the time."""
     task = "".join(f"{key} {value:.4f}  " for key, value in metrics.items() if is_task_metric(key))
+    note = data_wait_note(metrics["data_wait_fraction"], wait_limit)
     return (
         f"epoch {epoch + 1}/{epochs}  train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
         f"{task}train_throughput {metrics['train_throughput']:,.0f} samples/s  "
-        f"data_wait {metrics['data_wait_fraction']:.0%}"
+        f"data_wait {metrics['data_wait_fraction']:.0%}" + (f"\n  {note}" if note else "")
+    )
+
+
+def data_wait_note(fraction: float, limit: float) -> str | None:
+    """What to do when the training loop waited for its batches more than ``limit`` of the epoch (None if not)."""
+    if fraction <= limit:
+        return None
+    return (
+        f"data_wait {fraction:.0%} (above tracking.data_wait_warning={limit:g}): the training workers waited "
+        "for data; give preprocessing more CPUs: raise scaling.data_cpus (null: every CPU that training "
+        "leaves), leave it more (lower scaling.resources_per_worker.CPU, raise ray.num_cpus) or add CPU-only nodes."
     )
 
 
@@ -43,8 +56,8 @@ class Progress:
     """One progress bar per epoch (step and loss, as rank 0 sends them) and one line of metrics when
     the epoch is reported. Driven from the driver's event thread (:mod:`pipeline.trainer`)."""
 
-    def __init__(self, epochs: int, steps: int):
-        self.epochs, self.steps, self.bar = epochs, steps, None
+    def __init__(self, epochs: int, steps: int, wait_limit: float):
+        self.epochs, self.steps, self.wait_limit, self.bar = epochs, steps, wait_limit, None
 
     def update(self, event: dict) -> None:
         if self.bar is None:
@@ -60,7 +73,7 @@ class Progress:
 
     def epoch_done(self, metrics: dict) -> None:
         self.close()
-        tqdm.write(format_metrics(metrics["epoch"], self.epochs, metrics))
+        tqdm.write(format_metrics(metrics["epoch"], self.epochs, metrics, self.wait_limit))
 
     def restored(self, epoch: int) -> None:
         self.close()  # the interrupted epoch starts over

@@ -66,7 +66,8 @@ def run(cfg: dict, job: Job) -> dict:
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
-            progress = console.Progress(cfg["train"]["epochs"], trainer.epoch_steps(cfg, data))
+            steps = trainer.epoch_steps(cfg, data)
+            progress = console.Progress(cfg["train"]["epochs"], steps, cfg["tracking"]["data_wait_warning"])
             result = trainer.fit(cfg, data, storage, trainer.Handler(tracker, job.run_dir, progress))
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")

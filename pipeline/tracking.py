@@ -31,6 +31,7 @@ from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from pipeline.config import LOSSES, PipelineError, epoch_metrics
+from pipeline.console import data_wait_note
 
 log = logging.getLogger(__name__)
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -45,6 +46,8 @@ STOPPED_TAG = "pipeline.stopped_early"  # a Tune sweep's trial that its schedule
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
+STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
+DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
 
 
 _URI_PASSWORD = re.compile(r"(://[^/@\s:]+):[^/@\s]+@")
@@ -339,16 +342,18 @@ class Tracker:
     state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
 
     def __init__(
-        self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float, metrics: tuple
+        self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float, cfg: dict
     ):
         self.client, self.uri, self.run_id = client, uri, run_id
-        self.metrics = metrics  # what each epoch reports (config.epoch_metrics)
+        self.metrics = epoch_metrics(cfg)  # what each epoch reports
+        self.settings = cfg["tracking"]
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(client, run_id)  # a resumed run holds its first epochs already
         self.last: dict | None = None  # the latest epoch's metrics
         self.expected_rows: dict[str, int] = {}
         self._startup_logged = False
+        self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
     @classmethod
     def open(cls, cfg: dict, job) -> Tracker:
@@ -359,12 +364,12 @@ class Tracker:
         experiment = experiment_id(client, uri, name, cfg["paths"]["outputs"])
         if cfg["train"]["resume"]:
             run_id, resume_from = reopen_run(client, experiment, cfg["tracking"]["run_name"])
-            return cls(client, uri, run_id, resume_from, job.started_at, epoch_metrics(cfg))
+            return cls(client, uri, run_id, resume_from, job.started_at, cfg)
         parent = sweep_parent(client, experiment, job.sweep_dir) if job.sweep_dir else None
         run_name = cfg["tracking"]["run_name"] or job.run_name
         run_id = start_run(client, experiment, run_name, parent, job.overrides, CODE_DIR)
         log_config(client, run_id, cfg)
-        return cls(client, uri, run_id, None, job.started_at, epoch_metrics(cfg))
+        return cls(client, uri, run_id, None, job.started_at, cfg)
 
     def set_storage(self, uri: str) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
@@ -383,6 +388,9 @@ class Tracker:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
         log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch)
+        note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
+        if note is not None:
+            self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
         skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
         if skipped:
             self.client.log_metric(self.run_id, "skipped_rows", skipped, step=epoch)
@@ -392,6 +400,10 @@ class Tracker:
                 skipped,
             )
         self.last = metrics
+
+    def log_step_loss(self, loss: float, global_step: int) -> None:
+        """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
+        self.client.log_metric(self.run_id, STEP_LOSS_METRIC, loss, step=global_step)
 
     def log_restore(self, epoch: int) -> None:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
@@ -413,7 +425,19 @@ class Tracker:
         end_run(self.client, self.run_id, status, error)
 
     def __enter__(self) -> Tracker:
+        """Start MLflow's system metrics (this node's CPU, memory, disk, network, and GPU when pynvml
+        finds one) for the run, under ``system/``; a resumed run continues their steps."""
+        interval = self.settings["system_metrics_s"]
+        if interval:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_metrics = SystemMetricsMonitor(
+                self.run_id, interval, resume_logging=self.resume_from is not None, tracking_uri=self.uri
+            )
+            self._system_metrics.start()
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        if self._system_metrics is not None:
+            self._system_metrics.finish()  # flushed before the run ends: an ended run takes no metrics
         self.end(end_status(error), error)

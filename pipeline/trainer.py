@@ -207,6 +207,8 @@ class Handler:
 
     def progress_event(self, event: dict) -> None:
         self.tracker.log_startup(event["at"], event["epoch"])
+        if event["log"]:
+            self.tracker.log_step_loss(event["loss"], event["global_step"])
         self.progress.update(event)
 
     def worker_event(self, event: dict) -> None:

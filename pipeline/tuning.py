@@ -243,7 +243,7 @@ class TrialRecorder(tune.Callback):
         if tracking.ERROR_TAG in found[0].data.tags:
             client.delete_tag(run_id, tracking.ERROR_TAG)
         log.info("trial %s continues in MLflow run %s", trial_id, run_id)
-        return tracking.Tracker(client, uri, run_id, None, time.time(), tracking.epoch_metrics(cfg))
+        return tracking.Tracker(client, uri, run_id, None, time.time(), cfg)
 
     def children(self, cfg: dict) -> list:
         client, _, experiment = self.store(cfg)
@@ -271,7 +271,9 @@ class TrialRecorder(tune.Callback):
         log.info(
             "trial %s: %s",
             trial.trial_id,
-            console.format_metrics(result["epoch"], running.cfg["train"]["epochs"], result),
+            console.format_metrics(
+                result["epoch"], running.cfg["train"]["epochs"], result, running.cfg["tracking"]["data_wait_warning"]
+            ),
         )
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:

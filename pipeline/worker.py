@@ -61,7 +61,7 @@ def train_loop_per_worker(config: dict) -> None:
             if epoch == start
             else train_batches(cfg, epoch, epoch_counter, statistics, device, world_size)
         )
-        metrics = train_epoch(replica, batches, cfg, epoch, progress)
+        metrics = train_epoch(replica, batches, cfg, epoch * config["steps_per_epoch"], epoch, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
         metrics |= evaluate(replica, valid, cfg)
         metrics |= {
@@ -132,22 +132,26 @@ class Replica:
         torch.set_rng_state(state["torch_rng"])
 
 
-def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, progress) -> dict:
-    """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers."""
+def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, steps_before: int, epoch: int, progress) -> dict:
+    """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers.
+    ``progress`` (rank 0) gets the step and batch loss once a second, and every
+    ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step)."""
     features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
     replica.model.train()
     device = next(replica.model.parameters()).device
     # Sums stay on the device: a .item() per step would stall a GPU on every batch.
     loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, float("-inf")
-    clock = WaitClock()
+    clock, log_every = WaitClock(), cfg["tracking"]["log_every_n_steps"]
     for step, batch in enumerate(clock.wrap(batches), start=1):
         with replica.autocast:
             loss = replica.task.loss(replica.model(batch[features]), batch[labels])
         replica.step(loss)
         loss_sum += loss.detach().double() * len(batch[labels])
         seen += len(batch[labels])
-        if progress is not None and time.monotonic() - last_sent >= PROGRESS_INTERVAL_S:
-            progress({"epoch": epoch, "step": step, "loss": loss.item(), "at": time.time()})
+        log = log_every > 0 and step % log_every == 0
+        if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
+            event = {"epoch": epoch, "step": step, "global_step": steps_before + step, "log": log}
+            progress(event | {"loss": loss.item(), "at": time.time()})  # .item() waits for the step: rarely
             last_sent = time.monotonic()
     elapsed = clock.elapsed()
     total_loss, total_seen, waited, ran = sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
@@ -246,8 +250,8 @@ def feature_scaler(normalize: dict | None, statistics: dict | None, device: torc
         std = torch.tensor(statistics["std"], dtype=torch.float32, device=device)
 
     def scale(features: torch.Tensor) -> torch.Tensor:
-        if features.dtype == torch.uint8 and pixels is not None:
-            return features.float() * pixels[0] + pixels[1]
+        if features.dtype == torch.uint8 and pixels is not None:  # in place: one float copy, not three
+            return features.float().mul_(pixels[0]).add_(pixels[1])
         if statistics is not None and features.is_floating_point():
             return (features - mean) / std
         return features

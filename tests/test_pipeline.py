@@ -62,8 +62,9 @@ def test_startup_clock_starts_when_python_imports_the_pipeline_not_when_its_proc
 @pytest.mark.slow
 def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     started = time.monotonic()
+    watch = ["tracking.log_every_n_steps=2", "tracking.system_metrics_s=1", "tracking.data_wait_warning=0"]
     result = run_cli(
-        ["+experiment=smoke", "train.epochs=2", "source.limit=null", "hydra.run.dir=run"], tmp_path, data_root
+        ["+experiment=smoke", "train.epochs=2", "source.limit=null", *watch, "hydra.run.dir=run"], tmp_path, data_root
     )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
@@ -78,7 +79,9 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     run_info = runs[0]
     assert run_info.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in run_info.data.tags  # a single run is not part of a sweep
-    assert run_info.data.tags["pipeline.overrides"] == "+experiment=smoke train.epochs=2 source.limit=null"
+    assert run_info.data.tags["pipeline.overrides"] == " ".join(
+        ["+experiment=smoke train.epochs=2 source.limit=null", *watch]
+    )
     params = run_info.data.params
     assert params["model.hidden_dim"] == "64" and params["train.epochs"] == "2"
     assert params["model._target_"] == "torchvision.models.VisionTransformer"
@@ -90,6 +93,15 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     assert 0.0 < run_info.data.metrics["data_wait_fraction"] < 1.0  # waited for some batches, not only waited
     startup = client.get_metric_history(run_info.info.run_id, "startup_s")  # command to first training step
     assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < elapsed
+    # between epochs: rank 0's batch loss every 2 steps (4 steps an epoch), at the global step
+    steps = client.get_metric_history(run_info.info.run_id, "train_loss_step")
+    assert sorted(m.step for m in steps) == [2, 4, 6, 8] and all(0 < m.value < 10 for m in steps)
+    # MLflow's own system metrics for the run, once a second
+    assert 0 < run_info.data.metrics["system/cpu_utilization_percentage"] <= 100
+    assert run_info.data.metrics["system/system_memory_usage_megabytes"] > 0
+    # any wait is above a limit of 0: the console's epoch line and the run say so, naming the setting
+    assert "above tracking.data_wait_warning=0" in output and "raise scaling.data_cpus" in output
+    assert run_info.data.tags["pipeline.data_wait"].startswith("epoch 2: data_wait ")
 
     artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
     assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
