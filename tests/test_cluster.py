@@ -155,3 +155,40 @@ def test_a_tune_sweep_runs_its_trials_on_both_nodes(tmp_path, cluster):
     assert len(trials) == 2 and all(t.info.status == "FINISHED" for t in trials)
     assert {t.data.tags["pipeline.node_id"] for t in trials} == {cluster["cpu_node"], cluster["gpu_node"]}
     assert all(t.data.tags["pipeline.storage"].startswith(str(tmp_path / "storage")) for t in trials)
+
+
+@pytest.mark.slow
+def test_real_size_photos_are_cropped_on_the_cpu_only_node_while_training_runs_on_the_other(tmp_path, cluster):
+    """The training worker takes every CPU of the "GPU" node, and no step is pinned: Ray Data's decode,
+    random-resized-crop and flip tasks go where CPUs are free, to the CPU-only node. Photos of 256-512
+    pixels a side (source=photos, written offline), cropped to 64 here to keep the model small."""
+    result = run_cli(
+        [
+            "+experiment=photos_resnet",
+            "scaling=cpu",
+            "scaling.num_workers=1",
+            "scaling.resources_per_worker.CPU=2",
+            "+scaling.resources_per_worker.gpu_node=1",
+            "source.download.rows=96",
+            "train.epochs=1",
+            "ingest.batch_size=32",
+            "transforms.train.crop.fn.size=64",
+            "transforms.valid.decode.fn.size=64",
+            "transforms.valid.decode.fn.resize=73",
+            f"ray.address={cluster['address']}",
+            f"storage.path={tmp_path / 'storage'}",
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+        tmp_path / "data",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("photos_resnet").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["train_rows"] == 96
+    (worker,) = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
+    assert worker["node_id"] == cluster["gpu_node"]
+    _, tasks = state(cluster)
+    for step in ("random_resized_crop", "random_flip", "decode_image"):
+        nodes = Counter(node for name, node in tasks if step in name)
+        assert set(nodes) == {"cpu"}, (step, nodes)
