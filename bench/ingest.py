@@ -1,43 +1,55 @@
-"""Ingest throughput: the pipeline's own ingest path against a plain PyTorch DataLoader, side by side.
-
-Both sides read the real CIFAR-10 training parquet (50,000 JPEG rows) and decode, randomly crop and
-flip, and normalize every image, two epochs each:
+"""Ingest throughput: the pipeline's own ingest path against a plain PyTorch DataLoader, side by side,
+on two image sets: CIFAR-10 (50,000 32x32 JPEGs: decode, pad + crop, flip) and photos at real sizes
+(``source=photos``: 6,400 JPEGs with a shorter side of 256-512 pixels, written offline when missing;
+ImageNet's random-resized-crop to 224 + flip). Two epochs each:
 - pipeline: its source, its configured transforms (Ray Data) and its ``iter_torch_batches`` settings,
-  consumed by one Ray Train worker that runs no model;
+  consumed by one Ray Train worker that runs no model and takes no core of its own, so Ray Data has
+  ``scaling.data_cpus`` CPUs (photos: 2, then 1: how ingest scales with the CPUs it is given);
 - DataLoader: what a user writes without the pipeline (``bench/plain.py``): a map-style ``Dataset``
-  over the same files doing the same steps per sample (the same JPEG decoder, simplejpeg, then
-  torchvision's v2 transforms), ``DataLoader(num_workers=2, persistent_workers=True)``, the same
-  batch size;
-- decode only: simplejpeg over every row in this one process, no framework: the ceiling one core sets.
+  over the same files doing the same steps per sample with torchvision (its JPEG decoder, its v2
+  transforms; for CIFAR also a lean hand-written crop + flip), ``DataLoader(num_workers=2)``, the same
+  batch size, uint8 out of the workers and normalized per batch, as the pipeline does; the faster
+  variant is the baseline;
+- decode only: every row decoded at full size in this one process, no framework: one core's ceiling
+  (photos: also the pipeline's crop step alone in this process, its own per-core rate).
 
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/ingest.py [OVERRIDES...]
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data \
+        python bench/ingest.py [--sets cifar,photos] [OVERRIDES...]
 
 Extra arguments are config overrides for the pipeline side (for example ``ingest.prefetch_batches=4``, or
-``ingest.shuffle=true`` for the cost of the seeded shuffle; CIFAR-10 is stored shuffled, so it is off here).
-Prints a table and writes outputs/bench/ingest.json.
+``ingest.shuffle=true`` for the cost of the seeded shuffle; both sets are stored shuffled, so it is off).
+Prints a table per set and writes outputs/bench/ingest.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import os
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import plain
 import pyarrow.parquet as pq
 import simplejpeg
 from report import data_dir, table, write
 
 EPOCHS = 2
-# One worker without a model needs little CPU: the rest of the machine decodes.
+# One consuming worker that runs no model, on a logical CPU of its own beside the machine's cores, so
+# Ray Data gets every core (scaling.data_cpus); it shares them, as the DataLoader's main process does.
 PIPELINE = [
+    f"ray.num_cpus={os.cpu_count() + 1}",
     "scaling.num_workers=1",
-    "scaling.resources_per_worker.CPU=0.25",
+    "scaling.resources_per_worker.CPU=1",
     "ingest.batch_size=128",
     "ingest.shuffle=false",
 ]
+SETS = {
+    "cifar": {"overrides": [], "data_cpus": [2], "lean": True},
+    "photos": {"overrides": ["+experiment=photos_resnet", "scaling=cpu"], "data_cpus": [2, 1], "lean": False},
+}
 
 
 def consume(config: dict) -> None:
@@ -60,6 +72,7 @@ def consume(config: dict) -> None:
 
 def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     """Per-epoch rows and seconds through the pipeline's ingest path, with the resolved config used."""
+    import ray
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -67,7 +80,7 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     from pipeline.cluster import connect
     from pipeline.config import compose
 
-    cfg = compose([*PIPELINE, *overrides])
+    cfg = compose([*overrides, *PIPELINE])
     split = source.prepare(cfg["source"])["train"]
     connect(cfg["ray"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,10 +100,10 @@ def pipeline_epochs(overrides: list[str]) -> tuple[list[dict], dict]:
     return epochs, cfg
 
 
-def dataloader_epochs(cfg: dict) -> list[dict]:
+def dataloader_epochs(cfg: dict, lean: bool) -> list[dict]:
     """Per-epoch rows and seconds; epoch 1 includes reading the files, as the pipeline's epoch 1 does."""
     start, epochs = time.perf_counter(), []
-    batches = plain.loader(cfg, "train", training=True)
+    batches = plain.loader(cfg, "train", training=True, lean=lean)
     for _ in range(EPOCHS):
         rows = 0
         for images, _labels in batches:
@@ -100,47 +113,80 @@ def dataloader_epochs(cfg: dict) -> list[dict]:
     return epochs
 
 
-def decode_only(files: list[str]) -> dict:
-    """One process decoding every image: no framework, no other step."""
+def one_process(files: list[str], cfg: dict) -> dict:
+    """Images/s in this one process, no framework: every row decoded at full size, and (photos) the
+    pipeline's own crop step over the same rows."""
+    from hydra.utils import instantiate
+
     images = pq.read_table(files, columns=["image"]).column("image").to_pylist()
     start = time.perf_counter()
     for data in images:
         simplejpeg.decode_jpeg(data, colorspace="RGB")
-    return {"rows": len(images), "seconds": time.perf_counter() - start}
+    rates = {"decode": round(len(images) / (time.perf_counter() - start))}
+    crop = cfg["transforms"]["train"].get("crop") or {}
+    if crop.get("fn", {}).get("_target_") == "transforms.random_resized_crop":
+        step = instantiate(crop["fn"], _partial_=True, _convert_="all")
+        column = np.array(images, dtype=object)
+        start = time.perf_counter()
+        for first in range(0, len(column), 400):
+            step({"image": column[first : first + 400]})
+        rates["crop_step"] = round(len(images) / (time.perf_counter() - start))
+    return rates
 
 
-def main(overrides: list[str]) -> dict:
-    data_dir()
-    pipeline, cfg = pipeline_epochs(overrides)
+def measure(name: str, overrides: list[str]) -> dict:
+    """One image set: the pipeline at each ``data_cpus``, the DataLoader variants, one process alone."""
+    spec, rate = SETS[name], lambda e: round(e["rows"] / e["seconds"])
+    runs = {}
+    for cpus in spec["data_cpus"]:
+        epochs, cfg = pipeline_epochs([*spec["overrides"], f"scaling.data_cpus={cpus}", *overrides])
+        runs[cpus] = {
+            "img_s": [rate(e) for e in epochs],
+            "first_batch_s": [round(e["first_batch_s"], 2) for e in epochs],
+        }
+    loaders = {"torchvision v2": [rate(e) for e in dataloader_epochs(cfg, lean=False)]}
+    if spec["lean"]:
+        loaders["lean hand-written"] = [rate(e) for e in dataloader_epochs(cfg, lean=True)]
+    baseline = max(loaders, key=lambda k: loaders[k][1])  # the faster warm epoch
     files = sorted(str(p) for p in Path(cfg["source"]["train"]).glob("*.parquet"))
-    loader = dataloader_epochs(cfg)
-    decode = decode_only(files)
-    rate = lambda e: round(e["rows"] / e["seconds"])  # noqa: E731
+    pipeline = runs[spec["data_cpus"][0]]["img_s"]
     figures = {
-        "overrides": [*PIPELINE, *overrides],
-        "pipeline_img_s": [rate(e) for e in pipeline],
-        "dataloader_img_s": [rate(e) for e in loader],
-        "decode_only_img_s": rate(decode),
-        "rows": [e["rows"] for e in pipeline],
-        "pipeline_first_batch_s": [round(e["first_batch_s"], 2) for e in pipeline],
+        "overrides": [*spec["overrides"], *PIPELINE, *overrides],
+        "rows": epochs[0]["rows"],
+        "pipeline_img_s": pipeline,
+        "pipeline_first_batch_s": runs[spec["data_cpus"][0]]["first_batch_s"],
+        "pipeline_by_data_cpus": runs,
+        "dataloader_img_s": loaders,
+        "baseline": baseline,
+        "cold_ratio": round(pipeline[0] / loaders[baseline][0], 2),
+        "warm_ratio": round(pipeline[1] / loaders[baseline][1], 2),
+        "one_process_img_s": one_process(files, cfg),
+        "cpus": os.cpu_count(),
     }
-    figures["cold_ratio"] = round(figures["pipeline_img_s"][0] / figures["dataloader_img_s"][0], 2)
-    figures["warm_ratio"] = round(figures["pipeline_img_s"][1] / figures["dataloader_img_s"][1], 2)
-    print(
-        table(
-            [
-                ("pipeline (Ray Data + Ray Train worker)", *figures["pipeline_img_s"]),
-                ("DataLoader(num_workers=2)", *figures["dataloader_img_s"]),
-                ("pipeline / DataLoader", f"{figures['cold_ratio']}x", f"{figures['warm_ratio']}x"),
-                ("pipeline: seconds to its first batch", *figures["pipeline_first_batch_s"]),
-                ("decode only, one process", figures["decode_only_img_s"], ""),
-            ],
-            ("images/s", "epoch 1 (cold)", "epoch 2 (warm)"),
-        )
-    )
+    rows = [(f"pipeline, {cpus} data CPUs", *run["img_s"]) for cpus, run in runs.items()]
+    rows += [(f"DataLoader(num_workers=2), {loader}", *rates) for loader, rates in loaders.items()]
+    rows += [
+        (f"pipeline / DataLoader ({baseline})", f"{figures['cold_ratio']}x", f"{figures['warm_ratio']}x"),
+        ("pipeline: seconds to its first batch", *figures["pipeline_first_batch_s"]),
+    ]
+    if len(runs) > 1:
+        low, high = min(runs), max(runs)
+        figures["data_cpus_scaling"] = round(runs[high]["img_s"][1] / runs[low]["img_s"][1], 2)
+        rows.append((f"warm, {high} data CPUs / {low}", "", f"{figures['data_cpus_scaling']}x"))
+    rows += [(f"one process, {what}", rate, "") for what, rate in figures["one_process_img_s"].items()]
+    print(f"\n{name}: {figures['rows']} rows\n" + table(rows, ("images/s", "epoch 1 (cold)", "epoch 2 (warm)")))
+    return figures
+
+
+def main(sets: list[str], overrides: list[str]) -> dict:
+    data_dir()
+    figures = {name: measure(name, overrides) for name in sets}
     write("ingest", figures)
     return figures
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description="Ingest throughput: the pipeline against a DataLoader.")
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of {', '.join(SETS)}")
+    arguments, rest = parser.parse_known_args()
+    main(arguments.sets.split(","), rest)

@@ -1,49 +1,96 @@
-"""What a user writes without the pipeline: a map-style Dataset over the parquet files, decoded and
-augmented per sample (the pipeline's JPEG decoder, torchvision's v2 transforms), and a DataLoader."""
+"""What a user writes without the pipeline: a map-style Dataset over the parquet files, each sample
+decoded (torchvision's libjpeg-turbo decoder) and augmented on access, and a DataLoader with 2 workers.
+
+Samples leave the workers as uint8 and are normalized per batch in the consuming process, as the
+pipeline does on the training device: a quarter of float32's bytes between processes. Two ways to
+augment: torchvision's v2 transforms equivalent to the config's steps (the usual code, any image
+size), or ``lean``: hand-written tensor ops for CIFAR's pad + crop + flip (less per-sample overhead).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import simplejpeg
 import torch
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
+
+WORKERS = 2
 
 
 class ParquetImages(torch.utils.data.Dataset):
-    """Rows held in memory as JPEG bytes; each sample decoded, augmented and normalized on access."""
+    """Rows held in memory as JPEG bytes; each sample decoded to RGB uint8 (C, H, W) and transformed on access."""
 
-    def __init__(self, directory: str, augment: list, normalize: dict):
+    def __init__(self, directory: str, transform):
         files = sorted(str(p) for p in Path(directory).glob("*.parquet"))
         table = pq.read_table(files, columns=["image", "label"])
         self.images, self.labels = table.column("image").to_pylist(), table.column("label").to_pylist()
-        self.transform = v2.Compose(
-            [*augment, v2.ToDtype(torch.float32, scale=True), v2.Normalize(normalize["mean"], normalize["std"])]
-        )
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(simplejpeg.decode_jpeg(self.images[i], colorspace="RGB")).permute(2, 0, 1)
-        return self.transform(image), self.labels[i]
+        encoded = torch.frombuffer(bytearray(self.images[i]), dtype=torch.uint8)
+        return self.transform(decode_jpeg(encoded, mode=ImageReadMode.RGB)), self.labels[i]
 
 
-def augmentation(cfg: dict) -> list:
-    """torchvision's equivalents of the config's training crop and flip steps (those it keeps)."""
+def augmentation(cfg: dict, split: str) -> v2.Compose:
+    """torchvision's equivalents of the config's steps for ``split`` (those it keeps)."""
+    out = []
+    for step in filter(None, cfg["transforms"][split].values()):
+        fn, target = step["fn"], step["fn"]["_target_"]
+        if target == "transforms.random_crop":
+            out.append(v2.RandomCrop(fn["size"], padding=fn["padding"]))
+        elif target == "transforms.random_resized_crop":
+            out.append(v2.RandomResizedCrop(fn["size"], scale=tuple(fn["scale"]), antialias=True))
+        elif target == "transforms.random_flip":
+            out.append(v2.RandomHorizontalFlip())
+        elif target == "transforms.decode_image" and fn.get("size"):
+            out += [v2.Resize(fn.get("resize") or fn["size"], antialias=True), v2.CenterCrop(fn["size"])]
+    return v2.Compose(out)
+
+
+class LeanCropFlip:
+    """CIFAR's training augmentation by hand: zero-pad, a random window, a random mirror, per sample."""
+
+    def __init__(self, size: int, padding: int):
+        self.size, self.padding = size, padding
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(image, (self.padding,) * 4)
+        top, left = torch.randint(0, padded.shape[1] - self.size + 1, (2,)).tolist()
+        window = padded[:, top : top + self.size, left : left + self.size]
+        return window.flip(-1) if torch.rand(()) < 0.5 else window
+
+
+class Normalized:
+    """A DataLoader's batches with the images normalized here, in the consuming process."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, normalize: dict):
+        self.loader = loader
+        self.mean = torch.tensor(normalize["mean"]).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(normalize["std"]).view(1, -1, 1, 1) * 255
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, labels in self.loader:
+            yield images.float().sub_(self.mean).div_(self.std), labels  # in place: one float copy
+
+
+def loader(cfg: dict, split: str, training: bool, lean: bool = False) -> Normalized:
+    """A DataLoader(num_workers=2) over one split (``source.train``/``source.valid``) with the config's
+    batch size and normalization; ``lean`` for the hand-written CIFAR crop + flip."""
     steps = cfg["transforms"]["train"]
-    crop = (
-        [v2.RandomCrop(steps["crop"]["fn"]["size"], padding=steps["crop"]["fn"]["padding"])]
-        if steps.get("crop")
-        else []
+    if training and lean:
+        transform = LeanCropFlip(steps["crop"]["fn"]["size"], steps["crop"]["fn"]["padding"])
+    else:
+        transform = augmentation(cfg, "train" if training else "valid")
+    dataset = ParquetImages(cfg["source"][split], transform)
+    batches = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg["ingest"]["batch_size"], num_workers=WORKERS, persistent_workers=True
     )
-    return crop + ([v2.RandomHorizontalFlip()] if steps.get("flip") else [])
-
-
-def loader(cfg: dict, split: str, training: bool) -> torch.utils.data.DataLoader:
-    """A DataLoader(num_workers=2) over one split with the config's batch size and normalization."""
-    dataset = ParquetImages(cfg["source"][split], augmentation(cfg) if training else [], cfg["ingest"]["normalize"])
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=cfg["ingest"]["batch_size"], num_workers=2, persistent_workers=True
-    )
+    return Normalized(batches, cfg["ingest"]["normalize"])
