@@ -49,20 +49,22 @@ def augmentation(cfg: dict, split: str) -> v2.Compose:
             out.append(v2.RandomHorizontalFlip())
         elif target == "transforms.decode_image" and fn.get("size"):
             out += [v2.Resize(fn.get("resize") or fn["size"], antialias=True), v2.CenterCrop(fn["size"])]
-    return v2.Compose(out)
+    return v2.Compose(out) if out else v2.Identity()
 
 
 class LeanCropFlip:
-    """CIFAR's training augmentation by hand: zero-pad, a random window, a random mirror, per sample."""
+    """CIFAR's training augmentation by hand, per sample: zero-pad and a random window (when the config
+    crops: ``crop`` is its ``size`` and ``padding``), and a random mirror (when it flips)."""
 
-    def __init__(self, size: int, padding: int):
-        self.size, self.padding = size, padding
+    def __init__(self, crop: dict | None, flip: bool):
+        self.crop, self.flip = crop, flip
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        padded = torch.nn.functional.pad(image, (self.padding,) * 4)
-        top, left = torch.randint(0, padded.shape[1] - self.size + 1, (2,)).tolist()
-        window = padded[:, top : top + self.size, left : left + self.size]
-        return window.flip(-1) if torch.rand(()) < 0.5 else window
+        if self.crop is not None:
+            size, padded = self.crop["size"], torch.nn.functional.pad(image, (self.crop["padding"],) * 4)
+            top, left = torch.randint(0, padded.shape[1] - size + 1, (2,)).tolist()
+            image = padded[:, top : top + size, left : left + size]
+        return image.flip(-1) if self.flip and torch.rand(()) < 0.5 else image
 
 
 class Normalized:
@@ -86,7 +88,7 @@ def loader(cfg: dict, split: str, training: bool, lean: bool = False) -> Normali
     batch size and normalization; ``lean`` for the hand-written CIFAR crop + flip."""
     steps = cfg["transforms"]["train"]
     if training and lean:
-        transform = LeanCropFlip(steps["crop"]["fn"]["size"], steps["crop"]["fn"]["padding"])
+        transform = LeanCropFlip((steps.get("crop") or {}).get("fn"), bool(steps.get("flip")))
     else:
         transform = augmentation(cfg, "train" if training else "valid")
     dataset = ParquetImages(cfg["source"][split], transform)

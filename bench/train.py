@@ -4,7 +4,8 @@
   its figures read back from its MLflow run: samples/s per epoch, val_accuracy, data_wait_fraction
   and startup_s (from the command to the first training step);
 - plain loop: the tutorial's step 1 in this process: the same model, optimizer, schedule, batch
-  size, seed and data (``bench/plain.py``, a DataLoader with 2 workers), no Ray;
+  size, seed and data (``bench/plain.py``'s lean DataLoader with 2 workers, the faster one for
+  CIFAR in ``bench/ingest.py``), no Ray;
 - pipeline, 2 workers: the same command with 2 DDP workers at half a CPU each;
 - Ray's floor: ``bench/floor.py``, the least a Ray Train job fed by Ray Data takes here from command to
   first batch, so the pipeline's start-up reads as a ratio to what Ray alone needs.
@@ -74,7 +75,8 @@ def plain_loop(cfg: dict) -> dict:
         torch.set_num_threads(cfg["scaling"]["torch_threads"])
     model = instantiate(cfg["model"], _convert_="all")
     optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
-    train_batches, valid_batches = plain.loader(cfg, "train", True), plain.loader(cfg, "valid", False)
+    # the lean loader: the faster DataLoader for CIFAR (bench/ingest.py)
+    train_batches, valid_batches = plain.loader(cfg, "train", True, lean=True), plain.loader(cfg, "valid", False)
     epochs = cfg["train"]["epochs"]
     scheduler = instantiate(
         cfg["scheduler"], optimizer=optimizer, total_steps=epochs * len(train_batches), _convert_="all"
