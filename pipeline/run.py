@@ -66,8 +66,8 @@ def run(cfg: dict, job: Job) -> dict:
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
-            steps = trainer.epoch_steps(cfg, data)
-            progress = console.Progress(cfg["train"]["epochs"], steps, cfg["tracking"]["data_wait_warning"])
+            steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
+            progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
             result = trainer.fit(cfg, data, storage, trainer.Handler(tracker, job.run_dir, progress))
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")

@@ -212,7 +212,7 @@ def _decode(data: bytes, channels: int, shrink: int = 1) -> np.ndarray:
     """The image as uint8 (channels, H, W); a JPEG decoded at 1/``shrink`` scale (its DCT does the scaling)."""
     gray = channels == 1
     if _is_jpeg(data):
-        height, width = _dimensions(data)
+        height, width = _dimensions(data) if shrink > 1 else (0, 0)  # the header is read again only to shrink
         image = simplejpeg.decode_jpeg(
             data, colorspace="GRAY" if gray else "RGB", min_height=-(-height // shrink), min_width=-(-width // shrink)
         )
