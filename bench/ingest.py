@@ -8,10 +8,13 @@ ImageNet's random-resized-crop to 224 + flip). Two epochs each:
 - DataLoader: what a user writes without the pipeline (``bench/plain.py``): a map-style ``Dataset``
   over the same files doing the same steps per sample with torchvision (its JPEG decoder, its v2
   transforms; for CIFAR also a lean hand-written crop + flip), ``DataLoader(num_workers=2)``, the same
-  batch size, uint8 out of the workers and normalized per batch, as the pipeline does; the faster
-  variant is the baseline;
-- decode only: every row decoded at full size in this one process, no framework: one core's ceiling
-  (photos: also the pipeline's crop step alone in this process, its own per-core rate).
+  batch size; the faster variant is the baseline;
+- one process, no framework, per core: every row decoded at full size (the decode ceiling) and
+  (photos) each side's per-image work alone: the pipeline's crop step, and torchvision's decode +
+  ``RandomResizedCrop`` + flip per sample. Their ratio bounds the pipeline's lead on equal cores.
+
+Both consumers stand in for a GPU: they take uint8 batches and do not normalize them on the CPU (the
+pipeline does that on the GPU: ``ingest.normalize``), so the figures are the CPU's work of feeding one.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data \
         python bench/ingest.py [--sets cifar,photos] [OVERRIDES...]
@@ -45,6 +48,7 @@ PIPELINE = [
     "scaling.resources_per_worker.CPU=1",
     "ingest.batch_size=128",
     "ingest.shuffle=false",
+    "ingest.normalize=null",  # on a GPU, the GPU's work; here it would take the data CPUs' time
 ]
 SETS = {
     "cifar": {"overrides": [], "data_cpus": [2], "lean": True},
@@ -115,22 +119,31 @@ def dataloader_epochs(cfg: dict, lean: bool) -> list[dict]:
 
 def one_process(files: list[str], cfg: dict) -> dict:
     """Images/s in this one process, no framework: every row decoded at full size, and (photos) the
-    pipeline's own crop step over the same rows."""
+    pipeline's own crop step and torchvision's per-sample decode + augmentation over the same rows."""
+    import torch
     from hydra.utils import instantiate
+    from torchvision.io import ImageReadMode, decode_jpeg
 
     images = pq.read_table(files, columns=["image"]).column("image").to_pylist()
-    start = time.perf_counter()
-    for data in images:
-        simplejpeg.decode_jpeg(data, colorspace="RGB")
-    rates = {"decode": round(len(images) / (time.perf_counter() - start))}
+
+    def rate(work) -> int:
+        start = time.perf_counter()
+        work()
+        return round(len(images) / (time.perf_counter() - start))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's rates
+    rates = {"decode": rate(lambda: [simplejpeg.decode_jpeg(data, colorspace="RGB") for data in images])}
     crop = cfg["transforms"]["train"].get("crop") or {}
     if crop.get("fn", {}).get("_target_") == "transforms.random_resized_crop":
-        step = instantiate(crop["fn"], _partial_=True, _convert_="all")
-        column = np.array(images, dtype=object)
-        start = time.perf_counter()
-        for first in range(0, len(column), 400):
-            step({"image": column[first : first + 400]})
-        rates["crop_step"] = round(len(images) / (time.perf_counter() - start))
+        step, column = instantiate(crop["fn"], _partial_=True, _convert_="all"), np.array(images, dtype=object)
+        augment = plain.augmentation(cfg, "train")
+        encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images]
+        rates["crop_step"] = rate(lambda: [step({"image": column[i : i + 400]}) for i in range(0, len(column), 400)])
+        rates["torchvision_per_sample"] = rate(
+            lambda: [augment(decode_jpeg(e, mode=ImageReadMode.RGB)) for e in encoded]
+        )
+    torch.set_num_threads(threads)
     return rates
 
 
@@ -174,6 +187,10 @@ def measure(name: str, overrides: list[str]) -> dict:
         figures["data_cpus_scaling"] = round(runs[high]["img_s"][1] / runs[low]["img_s"][1], 2)
         rows.append((f"warm, {high} data CPUs / {low}", "", f"{figures['data_cpus_scaling']}x"))
     rows += [(f"one process, {what}", rate, "") for what, rate in figures["one_process_img_s"].items()]
+    if "crop_step" in figures["one_process_img_s"]:  # the most the pipeline can lead by on equal cores
+        one = figures["one_process_img_s"]
+        figures["per_image_bound"] = round(one["crop_step"] / one["torchvision_per_sample"], 2)
+        rows.append(("one process, crop step / torchvision", "", f"{figures['per_image_bound']}x"))
     print(f"\n{name}: {figures['rows']} rows\n" + table(rows, ("images/s", "epoch 1 (cold)", "epoch 2 (warm)")))
     return figures
 

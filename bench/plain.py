@@ -45,6 +45,8 @@ def augmentation(cfg: dict, split: str) -> v2.Compose:
             out.append(v2.RandomCrop(fn["size"], padding=fn["padding"]))
         elif target == "transforms.random_resized_crop":
             out.append(v2.RandomResizedCrop(fn["size"], scale=tuple(fn["scale"]), antialias=True))
+            if fn.get("flip"):
+                out.append(v2.RandomHorizontalFlip(fn["flip"]))
         elif target == "transforms.random_flip":
             out.append(v2.RandomHorizontalFlip())
         elif target == "transforms.decode_image" and fn.get("size"):
@@ -83,9 +85,9 @@ class Normalized:
             yield images.float().sub_(self.mean).div_(self.std), labels  # in place: one float copy
 
 
-def loader(cfg: dict, split: str, training: bool, lean: bool = False) -> Normalized:
+def loader(cfg: dict, split: str, training: bool, lean: bool = False) -> Normalized | torch.utils.data.DataLoader:
     """A DataLoader(num_workers=2) over one split (``source.train``/``source.valid``) with the config's
-    batch size and normalization; ``lean`` for the hand-written CIFAR crop + flip."""
+    batch size and normalization (none: uint8 batches); ``lean`` for the hand-written CIFAR crop + flip."""
     steps = cfg["transforms"]["train"]
     if training and lean:
         transform = LeanCropFlip((steps.get("crop") or {}).get("fn"), bool(steps.get("flip")))
@@ -95,4 +97,4 @@ def loader(cfg: dict, split: str, training: bool, lean: bool = False) -> Normali
     batches = torch.utils.data.DataLoader(
         dataset, batch_size=cfg["ingest"]["batch_size"], num_workers=WORKERS, persistent_workers=True
     )
-    return Normalized(batches, cfg["ingest"]["normalize"])
+    return Normalized(batches, cfg["ingest"]["normalize"]) if cfg["ingest"]["normalize"] else batches

@@ -229,6 +229,18 @@ def test_random_resized_crop_takes_gray_png_and_structs_and_is_seeded_per_row():
         random_resized_crop({"image": np.array([b"not an image"], dtype=object)}, size=64)
 
 
+def test_random_resized_crop_mirrors_the_window_it_would_cut_with_probability_flip():
+    column = np.array([jpeg(photo(120 + 7 * i, 150, i)) for i in range(24)], dtype=object)
+    plain = random_resized_crop({"image": column}, size=32, seed=2)["image"]
+    always = random_resized_crop({"image": column}, size=32, flip=1.0, seed=2)["image"]
+    np.testing.assert_array_equal(always, plain[..., ::-1])  # the same window, mirrored
+    half = random_resized_crop({"image": column}, size=32, flip=0.5, seed=2)["image"]
+    mirrored = [np.array_equal(h, a) and not np.array_equal(h, p) for h, a, p in zip(half, always, plain)]
+    kept = [np.array_equal(h, p) for h, p in zip(half, plain)]
+    assert all(m or k for m, k in zip(mirrored, kept)) and 4 <= sum(mirrored) <= 20
+    np.testing.assert_array_equal(half, random_resized_crop({"image": column}, size=32, flip=0.5, seed=2)["image"])
+
+
 def test_photos_are_written_offline_at_real_and_varied_sizes(tmp_path):
     import pyarrow.parquet as pq
     import simplejpeg
@@ -402,3 +414,32 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
     assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
     executed = [line.split(" ", 2)[2] for line in ds.stats().splitlines() if line.startswith("Operator ")]
     assert len(executed) == len(operators) and all(e.startswith(o) for e, o in zip(executed, operators)), executed
+
+
+def test_warmed_worker_processes_run_the_transforms_with_their_modules_already_imported(ray_runtime):
+    """``warm_workers`` imports each step's module in as many of Ray's worker processes as there are
+    CPUs, and Ray Data's tasks then run in those processes (Ray 2.60 reuses a job's idle workers), so
+    epoch 1 does not wait for the imports. ``tabnanny`` stands in for a step's module: nothing else here
+    imports it."""
+    import ray
+    import ray.data
+
+    from pipeline import preprocess
+
+    def where(batch: dict) -> dict:
+        import os
+        import sys
+
+        return {
+            "pid": np.full(len(batch["id"]), os.getpid()),
+            "warm": np.full(len(batch["id"]), "tabnanny" in sys.modules),
+        }
+
+    step = {"fn": {"_target_": "tabnanny.check"}, "resources": None, "label_selector": None}
+    cfg = {"transforms": {"train": {"check": step}, "valid": {}}, "scaling": {"data_cpus": None}}
+    warmed = set(ray.get(preprocess.warm_workers(cfg)))
+    assert len(warmed) == int(ray.cluster_resources()["CPU"])  # one import each, in distinct processes
+    rows = ray.data.range(64, override_num_blocks=8).map_batches(where, batch_size=None).take_all()
+    ran = {(row["pid"], bool(row["warm"])) for row in rows}
+    assert {pid for pid, _ in ran} & warmed  # Ray Data reused warmed processes ...
+    assert all(warm for pid, warm in ran if pid in warmed)  # ... which had the step's module imported

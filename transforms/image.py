@@ -14,7 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import simplejpeg
+import torch
 from PIL import Image, UnidentifiedImageError
+from torch.nn import functional
 
 Batch = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ def random_resized_crop(
     size: int = 224,
     scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: float = 0.0,
     channels: Literal[1, 3] = 3,
     on_error: Literal["raise", "skip"] = "raise",
     path_column: str = "path",
@@ -92,16 +95,20 @@ def random_resized_crop(
     The window is drawn from the image's header before decoding, so a JPEG whose window is at least
     twice ``size`` is decoded at 1/2, 1/4 or 1/8 scale by libjpeg-turbo (DCT scaling: less work than
     decoding every pixel and shrinking after). Resizing is bilinear with antialiasing, as torchvision's.
-    Values, errors and ``channels`` as :func:`decode_image`; reproducible per row and epoch with ``seed``
-    (see :func:`row_uniform`). The pipeline passes ``epoch``.
+    ``flip`` is the probability of mirroring a window left-right (``RandomHorizontalFlip`` after the
+    crop): free here, since the window is reversed as the batch is stacked, where a separate
+    :func:`random_flip` step copies the batch again. Values, errors and ``channels`` as
+    :func:`decode_image`; reproducible per row and epoch with ``seed`` (see :func:`row_uniform`). The
+    pipeline passes ``epoch``.
     """
-    draws = row_uniform(batch[column], seed, epoch, salt=3, draws=4 * CROP_TRIES)
+    draws = row_uniform(batch[column], seed, epoch, salt=3, draws=4 * CROP_TRIES + 1)  # the windows', then the flip
 
     def cropped(i: int, data: bytes) -> np.ndarray:
         height, width = _dimensions(data)
-        top, left, h, w = _crop_box(height, width, draws[i], scale, ratio)
+        top, left, h, w = _crop_box(height, width, draws[i, :-1], scale, ratio)
         image = _decode(data, channels, _dct_shrink(height, width, height * size / h, width * size / w))
-        return _resized(image, (top, left, h, w), size, (height, width))
+        window = _resized(image, (top, left, h, w), size, (height, width))
+        return window[..., ::-1] if draws[i, -1] < flip else window
 
     return _each_row("random_resized_crop", batch, column, channels, on_error, path_column, cropped, size)
 
@@ -228,9 +235,6 @@ def _resized(
     """The ``box`` (top, left, height, width; in ``source`` pixels, default the image's own) of a
     (C, H, W) image, resized to ``size`` x ``size``: bilinear with antialiasing, torch's uint8 kernel
     (torchvision's resize, and several times faster than Pillow's)."""
-    import torch
-    from torch.nn import functional
-
     y, x = (image.shape[1] / source[0], image.shape[2] / source[1]) if source else (1.0, 1.0)
     top, left, height, width = box
     rows = slice(round(top * y), max(round((top + height) * y), round(top * y) + 1))
