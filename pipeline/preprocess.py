@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 import ray.data
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 
 from pipeline import source
 from pipeline.config import active_steps, feature_key
@@ -60,7 +59,6 @@ def training_data(cfg: dict, splits: dict[str, source.Split]) -> TrainingData:
     """Each split read lazily with its transforms chained on (the training split shuffled, with
     ``ingest.shuffle``): nothing runs until a worker iterates, except the pass over the training
     split that ``ingest.standardize`` needs for its statistics."""
-    warm_workers(cfg)
     src, counter = cfg["source"], EpochCounter.remote()
     columns = [feature_key(src), src["label_column"]]
     seed = cfg["train"]["seed"] if cfg["ingest"]["shuffle"] else None
@@ -70,31 +68,6 @@ def training_data(cfg: dict, splits: dict[str, source.Split]) -> TrainingData:
     }
     statistics = feature_statistics(datasets["train"], columns[0]) if cfg["ingest"]["standardize"] else None
     return TrainingData(datasets, {name: split.rows for name, split in splits.items()}, counter, statistics)
-
-
-def warm_workers(cfg: dict) -> list:
-    """Import every transform's module (torch with the image steps) in as many of Ray's worker processes
-    as Ray Data may use, while the training workers start. Ray reuses a job's idle worker processes
-    for its later tasks, so epoch 1's first batches no longer wait for each fresh process's imports
-    (seconds each: README, Performance). Best effort: a process not warmed imports at its first batch,
-    as it would anyway; an import that fails here fails, with its message, in the step itself.
-    Returns the imports' pids, as object refs nobody needs to wait for."""
-    specs = [spec for steps in cfg["transforms"].values() for spec in active_steps(steps).values()]
-    if not specs:
-        return []
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    placed = read_placement(cfg["transforms"]["train"])
-    targets = sorted({spec["fn"]["_target_"] for spec in specs})
-    count = max(1, min(int(cfg["scaling"]["data_cpus"] or cpus), cpus))
-    return [imported.options(scheduling_strategy="SPREAD", **placed).remote(targets) for _ in range(count)]
-
-
-@ray.remote(num_cpus=0)
-def imported(targets: list[str]) -> int:
-    """Runs in one of Ray's worker processes: import what ``targets`` name (dotted paths); its pid."""
-    for target in targets:
-        get_object(target)
-    return os.getpid()
 
 
 def dataset(

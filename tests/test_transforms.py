@@ -414,32 +414,3 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
     assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
     executed = [line.split(" ", 2)[2] for line in ds.stats().splitlines() if line.startswith("Operator ")]
     assert len(executed) == len(operators) and all(e.startswith(o) for e, o in zip(executed, operators)), executed
-
-
-def test_warmed_worker_processes_run_the_transforms_with_their_modules_already_imported(ray_runtime):
-    """``warm_workers`` imports each step's module in as many of Ray's worker processes as there are
-    CPUs, and Ray Data's tasks then run in those processes (Ray 2.60 reuses a job's idle workers), so
-    epoch 1 does not wait for the imports. ``tabnanny`` stands in for a step's module: nothing else here
-    imports it."""
-    import ray
-    import ray.data
-
-    from pipeline import preprocess
-
-    def where(batch: dict) -> dict:
-        import os
-        import sys
-
-        return {
-            "pid": np.full(len(batch["id"]), os.getpid()),
-            "warm": np.full(len(batch["id"]), "tabnanny" in sys.modules),
-        }
-
-    step = {"fn": {"_target_": "tabnanny.check"}, "resources": None, "label_selector": None}
-    cfg = {"transforms": {"train": {"check": step}, "valid": {}}, "scaling": {"data_cpus": None}}
-    warmed = set(ray.get(preprocess.warm_workers(cfg)))
-    assert len(warmed) == int(ray.cluster_resources()["CPU"])  # one import each, in distinct processes
-    rows = ray.data.range(64, override_num_blocks=8).map_batches(where, batch_size=None).take_all()
-    ran = {(row["pid"], bool(row["warm"])) for row in rows}
-    assert {pid for pid, _ in ran} & warmed  # Ray Data reused warmed processes ...
-    assert all(warm for pid, warm in ran if pid in warmed)  # ... which had the step's module imported

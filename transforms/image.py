@@ -14,9 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import simplejpeg
-import torch
 from PIL import Image, UnidentifiedImageError
-from torch.nn import functional
 
 Batch = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -234,7 +232,11 @@ def _resized(
 ) -> np.ndarray:
     """The ``box`` (top, left, height, width; in ``source`` pixels, default the image's own) of a
     (C, H, W) image, resized to ``size`` x ``size``: bilinear with antialiasing, torch's uint8 kernel
-    (torchvision's resize, and several times faster than Pillow's)."""
+    (torchvision's resize, and several times faster than Pillow's). torch is imported here, not at the
+    top: steps that never resize (CIFAR's) spare each of Ray's worker processes its seconds of import."""
+    import torch
+    from torch.nn import functional
+
     y, x = (image.shape[1] / source[0], image.shape[2] / source[1]) if source else (1.0, 1.0)
     top, left, height, width = box
     rows = slice(round(top * y), max(round((top + height) * y), round(top * y) + 1))
