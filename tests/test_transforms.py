@@ -208,6 +208,38 @@ def test_random_resized_crop_matches_torchvision_for_the_same_window():
         assert np.abs(got.astype(int) - expected.astype(int)).mean() < 4
 
 
+def test_a_working_size_keeps_the_aspect_and_the_crop_takes_its_pixels_as_torchvision_would():
+    """decode_image(resize=256) alone is torchvision's Resize(256): the shorter side 256, the aspect kept,
+    a batch of mixed shapes as a ragged column (what ingest.cache keeps). random_resized_crop takes such
+    pixels as it takes JPEGs: torchvision's window and resize, seeded per row and epoch, mirrored by flip."""
+    from torchvision.transforms import v2
+    from torchvision.transforms.v2 import functional
+
+    from transforms.image import CROP_TRIES, _crop_box, row_uniform
+
+    pictures = [photo(300, 400, 1), photo(517, 389, 2), photo(1200, 1000, 3), photo(256, 256, 4)[..., 0]]
+    column = np.array([jpeg(p) for p in pictures], dtype=object)
+    working = decode_image({"image": column, "label": np.arange(4)}, resize=256)
+    shapes = [image.shape for image in working["image"]]
+    assert working["image"].dtype == object and shapes == [(3, 256, 341), (3, 340, 256), (3, 307, 256), (3, 256, 256)]
+    np.testing.assert_array_equal(working["label"], np.arange(4))
+    for got, picture in zip(working["image"][:3], pictures):
+        expected = v2.Resize(256, antialias=True)(torch.from_numpy(picture).permute(2, 0, 1)).numpy()
+        assert got.dtype == np.uint8 and np.abs(got.astype(int) - expected.astype(int)).mean() < 3
+
+    out = random_resized_crop(working, size=96, seed=11, epoch=3)["image"]
+    assert out.shape == (4, 3, 96, 96) and out.dtype == np.uint8
+    for got, pixels, u in zip(out, working["image"], row_uniform(working["image"], 11, 3, 3, 4 * CROP_TRIES)):
+        top, left, h, w = _crop_box(*pixels.shape[1:], u, (0.08, 1.0), (3 / 4, 4 / 3))
+        expected = functional.resized_crop(torch.from_numpy(pixels), top, left, h, w, [96, 96], antialias=True)
+        assert np.abs(got.astype(int) - expected.numpy().astype(int)).mean() < 1  # the same pixels: rounding only
+    again = random_resized_crop({"image": working["image"][::-1].copy()}, size=96, seed=11, epoch=3)["image"]
+    np.testing.assert_array_equal(again, out[::-1])  # a row's window depends on its pixels, not its batch
+    assert not np.array_equal(random_resized_crop(working, size=96, seed=11, epoch=4)["image"], out)
+    mirrored = random_resized_crop(working, size=96, seed=11, epoch=3, flip=1.0)["image"]
+    np.testing.assert_array_equal(mirrored, out[..., ::-1])
+
+
 def test_random_resized_crop_takes_gray_png_and_structs_and_is_seeded_per_row():
     gray = photo(200, 260, 7)[..., 0]
     values = [

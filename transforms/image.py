@@ -42,22 +42,33 @@ def decode_image(
 ) -> Batch:
     """Decode a column of encoded images (JPEG, PNG, WebP, ...) into a uint8 array (N, channels, H, W).
 
-    A value is the file's bytes, or a struct with a ``bytes`` field (Hugging Face's image layout,
-    ``{bytes, path}``). JPEGs take simplejpeg's path (libjpeg-turbo); other formats go through Pillow.
-    Grayscale, palette and RGBA images become ``channels`` (1: gray, 3: RGB). With ``size``, each image
-    is scaled so its shorter side is ``resize`` (default ``size``) and its centre ``size`` x ``size``
-    cut out (``fit: center_crop``; ImageNet's validation transform is ``resize: 256, size: 224``), or
-    stretched to ``size`` x ``size`` (``fit: stretch``), so a batch may mix sizes; without it, the
-    images of a batch must share one size. A row that does not decode fails the run with its file and
-    row (``path_column`` is the source file, which the pipeline's reader adds), or with
-    ``on_error="skip"`` is dropped and counted in a warning in Ray's worker logs.
+    A value is the file's bytes, or a struct with a ``bytes`` field (Hugging Face's image layout, ``{bytes, path}``).
+    JPEGs take simplejpeg's path (libjpeg-turbo); other formats go through Pillow. Grayscale, palette and RGBA images
+    become ``channels`` (1: gray, 3: RGB). With ``size``, each image is scaled so its shorter side is ``resize``
+    (default ``size``) and its centre ``size`` x ``size`` cut out (``fit: center_crop``; ImageNet's validation transform
+    is ``resize: 256, size: 224``), or stretched to ``size`` x ``size`` (``fit: stretch``), so a batch may mix sizes.
+    With ``resize`` alone, each image is scaled so its shorter side is ``resize``, its aspect kept: a working size for
+    photos whose pixels are cached and cropped every epoch (:func:`random_resized_crop` takes them), and the batch's
+    images keep their different shapes. Without either, the images of a batch must share one size. A row that does not
+    decode fails the run with its file and row (``path_column`` is the source file, which the pipeline's reader adds),
+    or with ``on_error="skip"`` is dropped and counted in a warning in Ray's worker logs.
     """
     if fit not in ("center_crop", "stretch"):
         raise ValueError(f"decode_image: fit must be 'center_crop' or 'stretch', got {fit!r}")
-    if size is None:
+    if size is None and resize is None:
         return _each_row(
             "decode_image", batch, column, channels, on_error, path_column, lambda _, data: _decode(data, channels)
         )
+    if size is None:
+
+        def working_size(_: int, data: bytes) -> np.ndarray:
+            height, width = _dimensions(data)
+            longer = int(resize * max(height, width) / min(height, width))  # truncated, as torchvision's Resize
+            out = (resize, longer) if height <= width else (longer, resize)
+            image = _decode(data, channels, _dct_shrink(height, width, *out))
+            return _resized(image, (0, 0, height, width), out, (height, width))
+
+        return _each_row("decode_image", batch, column, channels, on_error, path_column, working_size, ragged=True)
 
     def fitted(_: int, data: bytes) -> np.ndarray:
         height, width = _dimensions(data)
@@ -90,14 +101,14 @@ def random_resized_crop(
     ImageNet training crop (torchvision's ``RandomResizedCrop``: a ``scale`` fraction of the area at an
     aspect ``ratio``, ten tries, then the centre), on a batch of mixed sizes, to uint8 (N, channels, size, size).
 
-    The window is drawn from the image's header before decoding, so a JPEG whose window is at least
-    twice ``size`` is decoded at 1/2, 1/4 or 1/8 scale by libjpeg-turbo (DCT scaling: less work than
-    decoding every pixel and shrinking after). Resizing is bilinear with antialiasing, as torchvision's.
-    ``flip`` is the probability of mirroring a window left-right (``RandomHorizontalFlip`` after the
-    crop): free here, since the window is reversed as the batch is stacked, where a separate
-    :func:`random_flip` step copies the batch again. Values, errors and ``channels`` as
-    :func:`decode_image`; reproducible per row and epoch with ``seed`` (see :func:`row_uniform`). The
-    pipeline passes ``epoch``.
+    Values may also be decoded pixels, (C, H, W) uint8 (``decode_image`` with ``resize``, cached once): then each epoch
+    only cuts and resizes. The window is drawn from the image's header before decoding, so a JPEG whose window is at
+    least twice ``size`` is decoded at 1/2, 1/4 or 1/8 scale by libjpeg-turbo (DCT scaling: less work than decoding
+    every pixel and shrinking after). Resizing is bilinear with antialiasing, as torchvision's. ``flip`` is the
+    probability of mirroring a window left-right (``RandomHorizontalFlip`` after the crop): free here, since the window
+    is reversed as the batch is stacked, where a separate :func:`random_flip` step copies the batch again. Values,
+    errors and ``channels`` as :func:`decode_image`; reproducible per row and epoch with ``seed`` (see
+    :func:`row_uniform`). The pipeline passes ``epoch``.
     """
     draws = row_uniform(batch[column], seed, epoch, salt=3, draws=4 * CROP_TRIES + 1)  # the windows', then the flip
 
@@ -142,9 +153,12 @@ def _each_row(
     path_column: str,
     image_of,
     size: int | None = None,
+    ragged: bool = False,
 ) -> Batch:
-    """``image_of(i, encoded bytes)`` -> (channels, H, W) for every row, stacked into ``column``; a row
-    that fails is named (file and row) in the error raised, or dropped from every column with ``skip``."""
+    """``image_of(i, encoded bytes or pixels)`` -> (channels, H, W) for every row, stacked into ``column``
+    (``ragged``: images of different shapes as an object array, which Ray Data keeps as variable-shaped
+    tensors); a row that fails is named (file and row) in the error raised, or dropped from every column
+    with ``skip``."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"{step}: on_error must be 'raise' or 'skip', got {on_error!r}")
     images, keep = [], np.ones(len(batch[column]), dtype=bool)
@@ -164,6 +178,11 @@ def _each_row(
         log.warning("%s: skipped %d of %d rows in this batch", step, (~keep).sum(), len(keep))
         batch = {key: values[keep] for key, values in batch.items()}
     shapes = {image.shape for image in images}
+    if ragged and len(shapes) > 1:
+        column_of_images = np.empty(len(images), dtype=object)
+        for i, image in enumerate(images):
+            column_of_images[i] = image
+        return {**batch, column: column_of_images}
     if len(shapes) > 1:
         sizes = sorted(f"{s[2]}x{s[1]}" for s in shapes)
         sizes = ", ".join(sizes[:4]) + (f", ... {len(sizes)} sizes" if len(sizes) > 4 else "")
@@ -176,20 +195,25 @@ def _each_row(
     return {**batch, column: np.stack(images)}
 
 
-def _encoded(value: Any) -> bytes:
-    """A row's encoded image: the bytes themselves, or a Hugging Face struct's ``bytes`` field."""
+def _encoded(value: Any) -> bytes | np.ndarray:
+    """A row's image: the encoded bytes themselves, a Hugging Face struct's ``bytes`` field, or
+    pixels already decoded, (C, H, W) uint8."""
     data = value["bytes"] if isinstance(value, dict) else value
+    if isinstance(data, np.ndarray) and data.ndim == 3 and data.dtype == np.uint8:
+        return data
     if not isinstance(data, bytes):
         raise TypeError(f"expected bytes or a struct with a 'bytes' field, got {type(data).__name__}")
     return data
 
 
-def _is_jpeg(data: bytes) -> bool:
-    return data[:3] == b"\xff\xd8\xff"
+def _is_jpeg(data: bytes | np.ndarray) -> bool:
+    return isinstance(data, bytes) and data[:3] == b"\xff\xd8\xff"
 
 
-def _dimensions(data: bytes) -> tuple[int, int]:
-    """(height, width), read from the header without decoding the pixels."""
+def _dimensions(data: bytes | np.ndarray) -> tuple[int, int]:
+    """(height, width), read from the header without decoding the pixels (or the pixels' shape)."""
+    if isinstance(data, np.ndarray):
+        return data.shape[1], data.shape[2]
     if _is_jpeg(data):
         return simplejpeg.decode_jpeg_header(data)[:2]
     width, height = _opened(data).size
@@ -214,8 +238,15 @@ def _dct_shrink(height: int, width: int, min_height: float, min_width: float) ->
 
 
 def _decode(data: bytes, channels: int, shrink: int = 1) -> np.ndarray:
-    """The image as uint8 (channels, H, W); a JPEG decoded at 1/``shrink`` scale (its DCT does the scaling)."""
+    """The image as uint8 (channels, H, W); a JPEG decoded at 1/``shrink`` scale (its DCT does the scaling).
+    Pixels already decoded come back as they are (gray repeated to RGB when ``channels`` is 3)."""
     gray = channels == 1
+    if isinstance(data, np.ndarray):
+        if data.shape[0] == channels:
+            return data
+        if data.shape[0] == 1:
+            return np.repeat(data, channels, axis=0)
+        raise ValueError(f"holds {data.shape[0]}-channel pixels where {channels} are asked for")
     if _is_jpeg(data):
         height, width = _dimensions(data) if shrink > 1 else (0, 0)  # the header is read again only to shrink
         image = simplejpeg.decode_jpeg(
@@ -228,12 +259,15 @@ def _decode(data: bytes, channels: int, shrink: int = 1) -> np.ndarray:
 
 
 def _resized(
-    image: np.ndarray, box: tuple[float, float, float, float], size: int, source: tuple[int, int] | None = None
+    image: np.ndarray,
+    box: tuple[float, float, float, float],
+    size: int | tuple[int, int],
+    source: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """The ``box`` (top, left, height, width; in ``source`` pixels, default the image's own) of a
-    (C, H, W) image, resized to ``size`` x ``size``: bilinear with antialiasing, torch's uint8 kernel
-    (torchvision's resize, and several times faster than Pillow's). torch is imported here, not at the
-    top: steps that never resize (CIFAR's) spare each of Ray's worker processes its seconds of import."""
+    (C, H, W) image, resized to ``size`` x ``size`` (or ``size`` = (height, width)): bilinear with antialiasing, torch's
+    uint8 kernel (torchvision's resize, and several times faster than Pillow's). torch is imported here, not at the top:
+    steps that never resize (CIFAR's) spare each of Ray's worker processes its seconds of import."""
     import torch
     from torch.nn import functional
 
@@ -241,10 +275,11 @@ def _resized(
     top, left, height, width = box
     rows = slice(round(top * y), max(round((top + height) * y), round(top * y) + 1))
     cols = slice(round(left * x), max(round((left + width) * x), round(left * x) + 1))
-    window = torch.from_numpy(image[:, rows, cols])[None]
-    if window.shape[2:] == (size, size):
+    out = (size, size) if isinstance(size, int) else tuple(size)
+    window = torch.from_numpy(np.ascontiguousarray(image[:, rows, cols]))[None]  # torch's kernel is faster on it
+    if window.shape[2:] == out:
         return window[0].numpy()
-    return functional.interpolate(window, size=(size, size), mode="bilinear", antialias=True)[0].numpy()
+    return functional.interpolate(window, size=out, mode="bilinear", antialias=True)[0].numpy()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -275,7 +310,10 @@ def row_uniform(images: np.ndarray, seed: int | None, epoch: int, salt: int, dra
 def _row_key(value: Any) -> int:
     """A row's hash: of its pixels, or of its encoded bytes (0 for a value that is neither: a null)."""
     data = value.get("bytes") if isinstance(value, dict) else value
-    return zlib.crc32(data) if isinstance(data, (bytes, np.ndarray)) else 0
+    if isinstance(data, np.ndarray):  # pixels: a large image is keyed by about 4,096 of them, spread over it
+        flat = data.reshape(-1)
+        return zlib.crc32(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]))
+    return zlib.crc32(data) if isinstance(data, bytes) else 0
 
 
 def random_crop(
