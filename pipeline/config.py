@@ -91,6 +91,9 @@ class TransformSpec:
     batch_size: Optional[int] = None  # rows per call; null: whole blocks, so Ray Data fuses the read and
     # every step into one task (a file read, decoded and augmented in one go, nothing copied between steps)
     concurrency: Optional[int] = None  # tasks at once (functions) or actor pool size (classes); null: Ray's
+    # run once and kept in Ray's object store (ingest.cache), or every epoch; null: every epoch when the
+    # function takes an `epoch` (seeded augmentation), else once. Steps after an every-epoch one run every epoch.
+    cache: Optional[bool] = None
     resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
     label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
 
@@ -143,6 +146,11 @@ class IngestConfig:
     # each row in a new seeded order every epoch, whatever the file layout (class-sorted files included);
     # costs some ingest speed (README, Performance)
     shuffle: bool = True
+    # run each split's deterministic steps (decoding, resizing: see TransformSpec.cache) once and keep their
+    # output in Ray's object store, so later epochs run only the random steps: auto (on when the estimate,
+    # from the first rows, fits cache_share of the store), true (fail before training when it does not), false
+    cache: Any = "auto"
+    cache_share: float = 0.5  # of the object store the cache may take; Ray Data streams through the rest
     # scale float features by the training split's per-feature mean and std (computed before training,
     # saved with the run and applied by predict too): for tables of numbers
     standardize: bool = False
@@ -172,7 +180,10 @@ class TrackingConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"  # null: a local runtime; auto, HOST:PORT, ray://...
-    num_cpus: Optional[int] = None  # logical CPUs of a local runtime; null: the machine's cores
+    # logical CPUs of a local runtime; null: the machine's cores plus the training workers' CPUs, so
+    # preprocessing may use the cores a waiting worker leaves idle (data_wait_fraction judges: README)
+    num_cpus: Optional[int] = None
+    object_store_memory: Optional[int] = None  # bytes, a local runtime's; null: Ray's default (30% of RAM)
     py_modules: list[str] = field(default_factory=lambda: ["pipeline", "transforms"])  # shipped to a cluster
     runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray's runtime_env for the job (pip, env_vars...)
 
@@ -428,6 +439,10 @@ def check_values(cfg: dict) -> None:
         train["amp_dtype"] in ("bfloat16", "float16"),
         f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.",
     )
+    _require(
+        ingest["cache"] in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest['cache']!r}."
+    )
+    _require(0 < ingest["cache_share"] <= 1, f"ingest.cache_share must be in (0, 1], got {ingest['cache_share']}.")
     _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
     _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
     normalize = ingest["normalize"]

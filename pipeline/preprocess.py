@@ -16,16 +16,18 @@ from __future__ import annotations
 import functools
 import inspect
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 import ray.data
 from hydra.utils import instantiate
 
-from pipeline import source
-from pipeline.config import active_steps, feature_key
+from pipeline import cache, source
+from pipeline.config import PipelineError, active_steps, feature_key
 from transforms.tabular import stack_features
 
 
@@ -46,28 +48,67 @@ class EpochCounter:
 @dataclass
 class TrainingData:
     """What the training workers read: each split's lazy dataset, its row count (from the parquet
-    footers, capped by ``source.limit``), the epoch counter its seeded steps follow and, with
-    ``ingest.standardize``, the training features' mean and std."""
+    footers, capped by ``source.limit``), the epoch counter its seeded steps follow, with
+    ``ingest.standardize`` the training features' mean and std, and the cache (see ``plan``)."""
 
     datasets: dict[str, ray.data.Dataset]
     rows: dict[str, int]
     epoch_counter: Any  # an EpochCounter actor handle
     statistics: dict | None = None
+    plan: CachePlan | None = None
+    caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
 
 
-def training_data(cfg: dict, splits: dict[str, source.Split]) -> TrainingData:
+@dataclass
+class CachePlan:
+    """Whether each split's deterministic steps run once, their output kept in Ray's object store, or
+    every epoch: the estimate it was decided on and, once built, what the cache holds."""
+
+    on: bool
+    estimate_bytes: int  # every split's cached stage, from the first rows of its first file
+    capacity_bytes: int  # ingest.cache_share of the object store
+    row_bytes: dict[str, float] = field(default_factory=dict)  # split -> estimated bytes a cached row takes
+    built: dict[str, dict] = field(default_factory=dict)  # split -> rows, bytes, seconds (cache.Cache.built)
+
+    def summary(self) -> str:
+        """One line for the console and the run's ``pipeline.cache`` tag."""
+        share = f"{self.estimate_bytes / 2**20:,.0f} MiB estimated, {self.capacity_bytes / 2**20:,.0f} MiB allowed"
+        if not self.on and not self.row_bytes:
+            return "not cached (ingest.cache=false): every step runs every epoch"
+        if not self.on:
+            return f"not cached, every step runs every epoch ({share}: ingest.cache, ingest.cache_share)"
+        parts = [
+            f"{name} {built['rows']:,} rows, {built['bytes'] / 2**20:,.1f} MiB in {built['seconds']:.1f} s"
+            for name, built in self.built.items()
+        ]
+        return f"cached in Ray's object store: {'; '.join(parts) or 'building'} ({share})"
+
+
+def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
     """Each split read lazily with its transforms chained on (the training split shuffled, with
-    ``ingest.shuffle``): nothing runs until a worker iterates, except the pass over the training
-    split that ``ingest.standardize`` needs for its statistics."""
-    src, counter = cfg["source"], EpochCounter.remote()
+    ``ingest.shuffle``). With the cache on (``plan``, else decided here), each split's steps that run
+    once are submitted now, as Ray tasks, and training reads their output as it comes; only
+    ``ingest.standardize`` waits, for its pass over the training split."""
+    src, counter, ingest = cfg["source"], EpochCounter.remote(), cfg["ingest"]
     columns = [feature_key(src), src["label_column"]]
-    seed = cfg["train"]["seed"] if cfg["ingest"]["shuffle"] else None
-    datasets = {
-        name: dataset(split, cfg["transforms"][name], columns, src, counter, seed if name == "train" else None)
-        for name, split in splits.items()
-    }
-    statistics = feature_statistics(datasets["train"], columns[0]) if cfg["ingest"]["standardize"] else None
-    return TrainingData(datasets, {name: split.rows for name, split in splits.items()}, counter, statistics)
+    seed = cfg["train"]["seed"] if ingest["shuffle"] else None
+    plan = plan or cache_plan(cfg, splits)
+    datasets, caches = {}, {}
+    try:
+        for name, split in splits.items():
+            shuffle, steps = seed if name == "train" else None, cfg["transforms"][name]
+            if plan.on:
+                datasets[name], caches[name] = cached_dataset(
+                    split, steps, columns, src, counter, shuffle, plan.row_bytes[name]
+                )
+            else:
+                datasets[name] = dataset(split, steps, columns, src, counter, shuffle)
+        statistics = feature_statistics(datasets["train"], columns[0]) if ingest["standardize"] else None
+    except BaseException:
+        ray.kill(counter)
+        raise
+    rows = {name: split.rows for name, split in splits.items()}
+    return TrainingData(datasets, rows, counter, statistics, plan, caches)
 
 
 def dataset(
@@ -79,13 +120,13 @@ def dataset(
     shuffle_seed: int | None = None,
 ):
     """``split`` read lazily (as ``source.*`` says), numeric feature columns stacked into one vector,
-    shuffled with ``shuffle_seed``, spread over at least one block per CPU, with ``steps`` chained on.
+    shuffled with ``shuffle_seed``, spread over at least one block per CPU, with ``steps`` chained on:
+    every step runs every epoch (the cache off, and prediction).
     ``columns``: the feature column the model takes (see :func:`feature_key`), then any others to keep."""
     features = source.input_columns(source_cfg)
-    tabular = isinstance(source_cfg["feature_column"], list) or split.vector_column(features[0])
     placed = read_placement(steps)  # these steps run where the reads do, fused with them
     ds = source.read(split, [*features, *columns[1:]], source_cfg, placed)
-    if tabular:
+    if is_tabular(split, source_cfg):
         stacked = {"columns": features, "output": columns[0]}
         ds = ds.map_batches(stack_features, fn_kwargs=stacked, batch_size=None, **placed)
     if shuffle_seed is not None:
@@ -97,6 +138,131 @@ def dataset(
     if shuffle_seed is not None:
         ds = ds.random_shuffle(seed=shuffle_seed, **placed)
     return apply(ds, steps, columns, epoch_counter)
+
+
+def cached_dataset(
+    split: source.Split,
+    steps: dict[str, dict],
+    columns: list[str],
+    source_cfg: dict,
+    epoch_counter,
+    shuffle_seed: int | None,
+    row_bytes: float,
+) -> tuple[ray.data.Dataset, cache.Cache]:
+    """``split`` with its steps that run once submitted now as Ray tasks (:mod:`pipeline.cache`), and a
+    lazy dataset that reads their output each epoch, mixed with ``shuffle_seed``, with the per-epoch steps
+    chained on. ``columns`` as :func:`dataset`'s."""
+    once, every_epoch = cached_steps(steps)
+    features = source.input_columns(source_cfg)
+    prepare = Steps(once, features if is_tabular(split, source_cfg) else None, columns[0])
+    first = next(iter(once.values()), None)
+    options = {
+        "num_cpus": max((s["num_cpus"] for s in once.values()), default=1.0),
+        **(placement(first) if first else {}),
+    }
+    groups = cache.row_groups(split.files, split.filesystem, source_cfg["limit"])
+    built = cache.build(groups, split.filesystem, [*features, *columns[1:]], prepare, row_bytes, options)
+    bind = functools.partial(seeded, epoch_counter=epoch_counter)
+    inline = not any(is_class(spec) for spec in every_epoch.values())  # class steps need their actor pools
+    then = Steps(every_epoch if inline else {}, None, columns[0])
+    later = {} if inline else every_epoch
+    options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
+    ds = cache.dataset(built, shuffle_seed, then, bind, {**options, **read_placement(every_epoch)})
+    return apply(ds, later, columns, epoch_counter), built
+
+
+def is_tabular(split: source.Split, source_cfg: dict) -> bool:
+    """Whether the split's features are numbers to stack into one vector per row (several columns, or a list column)."""
+    return isinstance(source_cfg["feature_column"], list) or split.vector_column(source.input_columns(source_cfg)[0])
+
+
+class Steps:
+    """Transform steps run in one process, one after another, on a batch: ``stack`` columns stacked into
+    ``output`` first (tables), then each step (a class step built here), those that take an ``epoch``
+    given the one the call passes. Steps are built on first use, once per process that runs them."""
+
+    def __init__(self, specs: dict[str, dict], stack: list[str] | None, output: str):
+        self.specs, self.stack, self.output, self.fns = specs, stack, output, None
+
+    def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
+        if self.fns is None:
+            self.fns = [built(spec) for spec in self.specs.values()]
+        if self.stack is not None:
+            batch = stack_features(batch, self.stack, self.output)
+        for fn, takes in self.fns:
+            batch = fn(batch, epoch=epoch) if takes and epoch is not None else fn(batch)
+        return batch
+
+
+def built(spec: dict) -> tuple[Any, bool]:
+    """A step's callable (a class step's instance) and whether it takes an ``epoch``."""
+    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    if is_class(spec):
+        return fn.func(**fn.keywords), False
+    return fn, "epoch" in inspect.signature(fn).parameters
+
+
+def is_class(spec: dict) -> bool:
+    """Whether a step's ``fn`` names a class (run as an actor pool) rather than a function."""
+    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    return isinstance(fn, functools.partial) and isinstance(fn.func, type)
+
+
+def cached_steps(steps: dict[str, dict | None]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The steps that run once (up to the first that runs every epoch) and those that run every epoch.
+    A step runs every epoch when its ``cache`` says false, or, unset, when its function takes the
+    ``epoch`` (seeded augmentation: a new draw each epoch)."""
+    active = active_steps(steps)
+    names = list(active)
+    for i, spec in enumerate(active.values()):
+        per_epoch = not spec["cache"] if spec.get("cache") is not None else takes_epoch(spec)
+        if per_epoch:
+            return {n: active[n] for n in names[:i]}, {n: active[n] for n in names[i:]}
+    return active, {}
+
+
+def takes_epoch(spec: dict) -> bool:
+    """Whether a step's function (not a class: actors are not told the epoch) declares an ``epoch`` parameter."""
+    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    return not isinstance(target, type) and "epoch" in inspect.signature(target).parameters
+
+
+SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps to estimate the cache
+
+
+def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
+    """``ingest.cache`` decided before anything is recorded: the cached stage's size estimated from the
+    first rows of each split (run through its once-only steps here, on the driver) against
+    ``ingest.cache_share`` of Ray's object store. ``auto`` streams what does not fit; ``true`` fails."""
+    ingest, src = cfg["ingest"], cfg["source"]
+    capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest["cache_share"])
+    if ingest["cache"] is False:
+        return CachePlan(False, 0, capacity)
+    row_bytes = {}
+    for name, split in splits.items():
+        once, _ = cached_steps(cfg["transforms"][name])
+        sample = sample_rows(split, src, once)
+        row_bytes[name] = cache.batch_bytes(sample) / max(len(sample["path"]), 1)
+    estimate = round(sum(row_bytes[name] * split.rows for name, split in splits.items()))
+    if estimate > capacity and ingest["cache"] is True:
+        raise PipelineError(
+            f"ingest.cache=true: the cached steps' output is about {estimate / 2**20:,.0f} MiB (estimated from "
+            f"the first {SAMPLE_ROWS} rows of each split), more than ingest.cache_share={ingest['cache_share']:g} of "
+            f"Ray's object store ({capacity / 2**20:,.0f} MiB). Set ingest.cache=auto (streams what does not fit) or "
+            "false, cache a smaller working size (the decode step's resize), or give Ray a larger object store "
+            "(ray.object_store_memory=BYTES, or ray start --object-store-memory on a cluster)."
+        )
+    return CachePlan(estimate <= capacity, estimate, capacity, row_bytes)
+
+
+def sample_rows(split: source.Split, src: dict, steps: dict[str, dict]) -> dict[str, np.ndarray]:
+    """The first rows of the split's first file as a Ray Data batch would hold them, through ``steps``."""
+    features = source.input_columns(src)
+    reader = pq.ParquetFile(split.files[0], filesystem=split.filesystem)
+    table = pa.Table.from_batches([next(reader.iter_batches(SAMPLE_ROWS, columns=[*features, src["label_column"]]))])
+    stack = features if is_tabular(split, src) else None
+    return Steps(steps, stack, feature_key(src))(cache.numpy_batch(table, split.files[0]))
 
 
 def permuted(batch: dict[str, np.ndarray], seed: int, epoch: int = 0) -> dict[str, np.ndarray]:
@@ -123,10 +289,11 @@ def feature_statistics(ds, column: str) -> dict[str, list[float]]:
     return {"mean": mean.tolist(), "std": np.where(std > 1e-12, std, 1.0).tolist()}
 
 
-def apply(ds, specs: dict[str, dict], columns: list[str], epoch_counter=None):
+def apply(ds, specs: dict[str, dict], columns: list[str] | None, epoch_counter=None):
     """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order,
     then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
-    where the last step ran. Without an ``epoch_counter`` (prediction), ``epoch`` keeps its default."""
+    where the last step ran; ``None`` keeps every column. Without an ``epoch_counter`` (prediction),
+    ``epoch`` keeps its default."""
     last: dict = {}
     for spec in active_steps(specs).values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
@@ -143,7 +310,7 @@ def apply(ds, specs: dict[str, dict], columns: list[str], epoch_counter=None):
             fn = seeded(fn, epoch_counter)
             ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec["concurrency"]), **options)
         last = placement(spec)
-    return ds.select_columns(columns, **last)
+    return ds if columns is None else ds.select_columns(columns, **last)
 
 
 def seeded(fn, epoch_counter):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import RayError
 
 from pipeline import cluster, console, preprocess, source, tracking, trainer
 from pipeline.config import PipelineError, active_steps, check_targets, check_values
@@ -52,17 +54,19 @@ def run(cfg: dict, job: Job) -> dict:
     console.quiet_libraries()
     try:
         splits = preflight(cfg)
+        plan = preprocess.cache_plan(cfg, splits)
     except PipelineError as err:
         if job.sweep_dir:  # a sweep keeps a record of every job it tried
             Tracker.open(cfg, job).end("FAILED", err)
         raise
-    data = preprocess.training_data(cfg, splits)
     os.makedirs(job.run_dir, exist_ok=True)
+    tracker, data = Tracker.open(cfg, job), None
+    log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
     try:
-        tracker = Tracker.open(cfg, job)
-        log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
+            data = datasets(cfg, splits, plan)
             tracker.log_data(splits, data.statistics)
+            report_cache(data, tracker)
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
@@ -75,7 +79,8 @@ def run(cfg: dict, job: Job) -> dict:
                 with result.checkpoint.as_directory() as path:
                     tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
     finally:
-        ray.kill(data.epoch_counter)
+        if data is not None:
+            ray.kill(data.epoch_counter)
     metric = cfg["optimized_metric"]
     log.info(
         "finished: %s %.4f; browse with: mlflow ui --backend-store-uri %s",
@@ -84,6 +89,34 @@ def run(cfg: dict, job: Job) -> dict:
         tracking.redact(tracker.uri),
     )
     return {k: tracker.last[k] for k in tracker.metrics}
+
+
+def datasets(cfg: dict, splits: dict[str, source.Split], plan: preprocess.CachePlan) -> preprocess.TrainingData:
+    """The job's datasets, the cached stage of each built now: a transform that fails on the data
+    (an undecodable row) fails the run here, in one line naming the cause."""
+    try:
+        return preprocess.training_data(cfg, splits, plan)
+    except RayError as err:
+        raise PipelineError(
+            f"preprocessing failed: {trainer.root_cause(err)} (full tracebacks: Ray's session logs, "
+            "/tmp/ray/session_latest/logs on the head node)."
+        ) from err
+
+
+def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> None:
+    """Say what ``ingest.cache`` holds, on the console and in MLflow, once it is built: a helper thread
+    waits while training reads the first pieces. A piece that failed to build fails training itself,
+    which names the cause; this thread then says nothing."""
+
+    def wait_and_report() -> None:
+        try:
+            data.plan.built = {name: cache.built() for name, cache in data.caches.items()}
+        except RayError:
+            return
+        log.info("ingest: %s", data.plan.summary())
+        tracker.log_cache(data.plan)
+
+    threading.Thread(target=wait_and_report, name="cache-report", daemon=True).start()
 
 
 @contextmanager
@@ -117,7 +150,7 @@ def preflight(cfg: dict) -> dict[str, source.Split]:
         trainer.check_storage(storage, cfg["storage"]["s3"])
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as helper:
         checked = helper.submit(check_targets_then_open_store, cfg)
-        cluster.connect(cfg["ray"])
+        cluster.connect(cfg["ray"], cfg["scaling"])
         checked.result()
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
         transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]

@@ -48,6 +48,7 @@ STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the 
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
+CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
 
 
 _URI_PASSWORD = re.compile(r"(://[^/@\s:]+):[^/@\s]+@")
@@ -417,6 +418,14 @@ class Tracker:
         """What the run trains and validates on (a resumed run logged it on its first start)."""
         if self.resume_from is None:
             log_data(self.client, self.run_id, splits, statistics)
+
+    def log_cache(self, plan) -> None:
+        """What ``ingest.cache`` kept (a :class:`pipeline.preprocess.CachePlan`): the ``pipeline.cache`` tag,
+        and per cached split ``cache_<split>_mib`` and ``cache_<split>_s`` (from submission to built)."""
+        self.client.set_tag(self.run_id, CACHE_TAG, plan.summary()[:MAX_TAG_LENGTH])
+        for name, built in plan.built.items():
+            self.client.log_metric(self.run_id, f"cache_{name}_mib", built["bytes"] / 2**20)
+            self.client.log_metric(self.run_id, f"cache_{name}_s", built["seconds"])
 
     def end(self, status: str, error: BaseException | None = None) -> None:
         """The learning curve, if any epoch was logged, then the end state."""

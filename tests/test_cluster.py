@@ -95,7 +95,8 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
 
     actors, tasks = state(cluster)
     assert Counter(node for name, node in actors if name == "RayTrainWorker") == {"gpu": 2}
-    for step in ("ReadParquet", "decode_image", "random_crop", "random_flip"):
+    # the cache's decode tasks (a task per row group) and each epoch's crop + flip, all where the steps asked
+    for step in ("build_pieces", "cached"):
         nodes = {node for name, node in tasks if step in name}
         assert nodes == {"cpu"}, (step, nodes)
 
@@ -159,8 +160,9 @@ def test_a_tune_sweep_runs_its_trials_on_both_nodes(tmp_path, cluster):
 
 @pytest.mark.slow
 def test_real_size_photos_are_cropped_on_the_cpu_only_node_while_training_runs_on_the_other(tmp_path, cluster):
-    """The training worker takes every CPU of the "GPU" node, and no step is pinned: Ray Data's decode and
-    random-resized-crop (+ flip) tasks go where CPUs are free, to the CPU-only node. Photos of 256-512
+    """The training worker takes every CPU of the "GPU" node, and no step is pinned: the random-resized-crop
+    (+ flip) tasks of every epoch go where CPUs are free, to the CPU-only node, reading the cache of
+    decoded photos (built while the trainer starts, wherever CPUs were free then). Photos of 256-512
     pixels a side (source=photos, written offline), cropped to 64 here to keep the model small."""
     result = run_cli(
         [
@@ -189,6 +191,6 @@ def test_real_size_photos_are_cropped_on_the_cpu_only_node_while_training_runs_o
     (worker,) = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
     assert worker["node_id"] == cluster["gpu_node"]
     _, tasks = state(cluster)
-    for step in ("random_resized_crop", "decode_image"):
-        nodes = Counter(node for name, node in tasks if step in name)
-        assert set(nodes) == {"cpu"}, (step, nodes)
+    crops = Counter(node for name, node in tasks if "cached" in name)  # the per-epoch steps run in these tasks
+    assert set(crops) == {"cpu"}, crops
+    assert sum(1 for name, _ in tasks if "build_pieces" in name) == 16 + 9  # a task per row group: 16 files, 9

@@ -102,6 +102,12 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
     # any wait is above a limit of 0: the console's epoch line and the run say so, naming the setting
     assert "above tracking.data_wait_warning=0" in output and "raise scaling.data_cpus" in output
     assert run_info.data.tags["pipeline.data_wait"].startswith("epoch 2: data_wait ")
+    # ingest.cache (auto): each split decoded once; what it holds on the console and in the run
+    assert "ingest: cached in Ray's object store: train 512 rows, 1.5 MiB in " in output
+    assert run_info.data.tags["pipeline.cache"].startswith("cached in Ray's object store: train 512 rows")
+    assert 512 * 3072 <= run_info.data.metrics["cache_train_mib"] * 2**20 < 512 * 3300
+    assert 256 * 3072 <= run_info.data.metrics["cache_valid_mib"] * 2**20 < 256 * 3300
+    assert 0 < run_info.data.metrics["cache_train_s"] < elapsed
 
     artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
     assert {"config.yaml", "model", "learning_curve.png"} <= artifacts

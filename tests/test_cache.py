@@ -1,0 +1,125 @@
+"""ingest.cache: which steps run once, what the cache holds, how it is sized, and its barrier-free shuffle."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from conftest import compose_cfg, write_split
+from test_own_data import write_sorted_and_shuffled
+
+from pipeline import preprocess, source
+from pipeline.cluster import local_cpus
+from pipeline.config import PipelineError
+from transforms import decode_image
+
+
+def test_deterministic_steps_run_once_and_seeded_augmentation_every_epoch():
+    """A step runs every epoch when its function takes the epoch (seeded augmentation), or its ``cache``
+    says so; every step after it too. Decoding and resizing run once."""
+
+    def split(overrides: list[str], name: str = "train") -> tuple[list[str], list[str]]:
+        once, every_epoch = preprocess.cached_steps(compose_cfg(overrides)["transforms"][name])
+        return list(once), list(every_epoch)
+
+    assert split([]) == (["decode"], ["crop", "flip"])
+    assert split(["transforms=imagenet"]) == (["decode"], ["crop"])
+    assert split(["transforms=imagenet"], "valid") == (["decode"], [])
+    assert split(["transforms.train.decode.cache=false"]) == ([], ["decode", "crop", "flip"])
+    assert split(["transforms.train.crop.cache=true"]) == (["decode", "crop"], ["flip"])
+    assert split(["transforms=none"]) == ([], [])
+
+
+def test_a_local_runtime_lets_preprocessing_use_the_cores_training_waits_on():
+    """Logical CPUs: the cores, plus what training reserves, plus one (Ray Data's budget is the rest)."""
+    cores = os.cpu_count()
+    assert local_cpus(compose_cfg(["scaling=cpu"])["scaling"]) == cores + 1 + 1  # 2 workers x 0.5 CPU
+    assert local_cpus(compose_cfg(["+experiment=cifar_vit_cpu"])["scaling"]) == cores + 1 + 1
+    assert local_cpus({"num_workers": 3, "resources_per_worker": {"CPU": 2, "GPU": 1}}) == cores + 6 + 1
+
+
+def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit(data_root, ray_runtime):
+    """auto caches what fits ingest.cache_share of the object store, streams what does not (and says
+    so); true fails before training with the estimate and the settings to change; false never caches."""
+    args = [f"source.root={data_root}", "source.download=null"]
+    splits = source.prepare(compose_cfg(args)["source"])
+    plan = preprocess.cache_plan(compose_cfg(args), splits)
+    assert plan.on
+    assert 3 * 32 * 32 + 8 < plan.row_bytes["train"] < 3 * 32 * 32 + 200  # pixels, label and the file's path
+    assert plan.estimate_bytes == pytest.approx(512 * plan.row_bytes["train"] + 256 * plan.row_bytes["valid"], abs=1)
+
+    refused = preprocess.cache_plan(compose_cfg([*args, "ingest.cache_share=1e-9"]), splits)
+    assert not refused.on and "not cached, every step runs every epoch (2 MiB estimated, 0 MiB" in refused.summary()
+    with pytest.raises(PipelineError, match=r"ingest.cache=true: .*about 2 MiB .*ray.object_store_memory=BYTES"):
+        preprocess.cache_plan(compose_cfg([*args, "ingest.cache=true", "ingest.cache_share=1e-9"]), splits)
+    off = preprocess.cache_plan(compose_cfg([*args, "ingest.cache=false"]), splits)
+    assert not off.on and off.summary() == "not cached (ingest.cache=false): every step runs every epoch"
+
+
+def rows_of(ds) -> list[tuple[bytes, int]]:
+    """Every row of ``ds`` as (pixel bytes, label), in the order the dataset gives them."""
+    return [(np.asarray(row["image"]).tobytes(), int(row["label"])) for row in ds.take_all()]
+
+
+def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
+    """The validation split (decode only) through the cache: the same pixels as every step run by Ray
+    Data, each row once, in the stored order without a shuffle; the cache reports its rows and bytes."""
+    import ray
+
+    write_split(tmp_path / "cifar10" / "train", 8, 1, seed=0)
+    write_split(tmp_path / "cifar10" / "test", 96, 3, seed=5)
+    cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
+    split, steps = source.prepare(cfg["source"])["valid"], cfg["transforms"]["valid"]
+    streamed = rows_of(preprocess.dataset(split, steps, ["image", "label"], cfg["source"]))
+    counter = preprocess.EpochCounter.remote()
+    ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg["source"], counter, None, 3200)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    try:
+        cached = rows_of(ds)
+    finally:
+        context.execution_options.preserve_order = False
+        ray.kill(counter)
+    table = pq.read_table(split.files)
+    pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
+    stored = [(image.tobytes(), label) for image, label in zip(pixels, table["label"].to_pylist())]
+    assert cached == stored and sorted(streamed) == sorted(stored)
+    built = cache.built()
+    assert built["rows"] == 96 and 96 * 3072 <= built["bytes"] < 96 * 3300 and built["seconds"] > 0
+
+
+def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[tuple[bytes, int]]]:
+    """The training split's rows (decoded pixels, label) per epoch, as a worker would read them from a
+    cache built anew (as a resumed run builds it)."""
+    import ray
+
+    counter = preprocess.EpochCounter.remote()
+    steps = {"decode": cfg["transforms"]["train"]["decode"]}
+    ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg["source"], counter, 0, 3200)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    passes = []
+    try:
+        for epoch in epochs:
+            ray.get(counter.set.remote(epoch))
+            passes.append(rows_of(ds))
+    finally:
+        context.execution_options.preserve_order = False
+        ray.kill(counter)
+    return passes
+
+
+def test_the_cached_shuffle_is_new_each_epoch_and_mixes_a_class_sorted_layout(tmp_path, ray_runtime):
+    """No all-to-all pass: each epoch a seeded order of the row groups and of each group's rows. Every row
+    once per epoch; epochs differ; the same epoch repeats from a new cache (a resumed run); and although
+    each file holds one class, the first batch holds many."""
+    write_sorted_and_shuffled(tmp_path)
+    cfg = compose_cfg([f"source.root={tmp_path / 'sorted'}", "source.download=null"])
+    split = source.prepare(cfg["source"])["train"]
+    first, second = epoch_rows(cfg, split, [0, 1])
+    (again,) = epoch_rows(cfg, split, [1])
+    assert len(first) == 512 and sorted(first) == sorted(second)
+    assert first != second and second == again
+    assert len({label for _, label in first[:32]}) >= 6 and len({label for _, label in second[:32]}) >= 6
