@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import socket
 import uuid
@@ -47,13 +48,28 @@ def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict
     return env
 
 
-def connect(ray_cfg: dict) -> None:
+def connect(ray_cfg: dict, scaling: dict) -> None:
     """Start or join Ray as ``ray.*`` says, with the project's code shipped to a cluster."""
     env = runtime_env(ray_cfg["address"], ray_cfg["py_modules"], ray_cfg["runtime_env"])
-    start_ray(ray_cfg["address"], ray_cfg["num_cpus"], env)
+    num_cpus = ray_cfg["num_cpus"] or local_cpus(scaling)
+    start_ray(ray_cfg["address"], num_cpus, env, ray_cfg["object_store_memory"])
 
 
-def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None) -> None:
+def local_cpus(scaling: dict) -> int:
+    """A local runtime's logical CPUs: the machine's cores, plus those the training workers reserve, plus one.
+
+    Ray Data's budget is what training leaves of the logical CPUs, so without the extra ones a worker that
+    waits for its batches keeps its reserved core idle; with them preprocessing may use every core, as a
+    DataLoader's worker processes do beside their training process, and one task more, since its tasks
+    wait on Ray's object store part of the time. When training is the bound, the OS shares the cores
+    between both: ``data_wait_fraction`` shows which way an epoch went (README, Performance)."""
+    training = scaling["num_workers"] * scaling["resources_per_worker"].get("CPU", 0.0)
+    return (os.cpu_count() or 1) + math.ceil(training) + 1
+
+
+def start_ray(
+    address: str | None, num_cpus: int | None, env: dict | None = None, object_store_memory: int | None = None
+) -> None:
     """Join ``address`` or start a local runtime (never a cluster RAY_ADDRESS names by accident), once
     per process: a sweep's jobs share it. Worker and Ray Data logs stay in Ray's session log files."""
     if ray.is_initialized():
@@ -66,6 +82,7 @@ def start_ray(address: str | None, num_cpus: int | None, env: dict | None = None
         ray.init(
             address=address or "local",
             num_cpus=num_cpus if address is None else None,
+            object_store_memory=object_store_memory if address is None else None,
             runtime_env=env or None,
             log_to_driver=False,
             logging_level=logging.ERROR,

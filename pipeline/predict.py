@@ -190,7 +190,7 @@ def run(cfg: dict, job) -> dict:
     label = src["label_column"] if src["label_column"] in split.columns else None
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
-    cluster.connect(cfg["ray"])
+    cluster.connect(cfg["ray"], cfg["scaling"])
     cluster.check_shared(
         cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
     )
