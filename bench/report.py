@@ -6,8 +6,12 @@ import json
 import os
 import platform
 import subprocess
+import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
+
+from mlflow import MlflowClient
 
 OUT_DIR = Path("outputs/bench")
 PACKAGES = ("ray", "torch", "torchvision", "pyarrow", "hydra-core", "mlflow")
@@ -43,3 +47,32 @@ def table(rows: list[tuple], header: tuple) -> str:
     return "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
     )
+
+
+def pipeline_run(args: list[str], outputs: Path, env: dict | None = None) -> dict:
+    """Run ``python -m pipeline ARGS`` as a user does; its figures come back from the MLflow run it logged
+    in ``outputs``: samples/s, data_wait_fraction and val_accuracy per epoch, startup_s (command to first
+    training step), the cache's build seconds (when it cached) and the command's wall time."""
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    wall = time.perf_counter() - start
+    client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()], order_by=["start_time DESC"])[0]
+
+    def history(key: str) -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    return {
+        "samples_s": [round(v) for v in history("train_throughput")],
+        "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
+        "val_accuracy": [round(v, 4) for v in history("val_accuracy")],
+        "startup_s": round(history("startup_s")[0], 1),
+        "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
+        "wall_s": round(wall, 1),
+    }

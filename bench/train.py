@@ -21,43 +21,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import plain
-import torch
-from hydra.utils import instantiate
-from mlflow import MlflowClient
-from report import data_dir, table, write
+from report import data_dir, pipeline_run, table, write
 
 EXPERIMENT = ["+experiment=cifar_vit_cpu"]
 TWO_WORKERS = ["scaling.num_workers=2", "scaling.resources_per_worker.CPU=0.5", "scaling.torch_threads=1"]
-
-
-def pipeline_run(overrides: list[str], workdir: str) -> dict:
-    """Run the pipeline's command; its figures come from the MLflow run it logged."""
-    outputs = Path(workdir) / "outputs"
-    start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "pipeline", *EXPERIMENT, *overrides, f"paths.outputs={outputs}"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wall = time.perf_counter() - start
-    client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-
-    def history(key: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
-
-    return {
-        "samples_s": [round(v) for v in history("train_throughput")],
-        "val_accuracy": round(history("val_accuracy")[-1], 4),
-        "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
-        "startup_s": round(history("startup_s")[0], 1),
-        "wall_s": round(wall, 1),
-    }
 
 
 def ray_floor() -> float:
@@ -69,38 +39,13 @@ def ray_floor() -> float:
 
 
 def plain_loop(cfg: dict) -> dict:
-    """The same training in one process with a DataLoader: what the pipeline must not be slower than."""
-    torch.manual_seed(cfg["train"]["seed"])
-    if cfg["scaling"]["torch_threads"]:
-        torch.set_num_threads(cfg["scaling"]["torch_threads"])
-    model = instantiate(cfg["model"], _convert_="all")
-    optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
-    # the lean loader: the faster DataLoader for CIFAR (bench/ingest.py)
-    train_batches, valid_batches = plain.loader(cfg, "train", True, lean=True), plain.loader(cfg, "valid", False)
-    epochs = cfg["train"]["epochs"]
-    scheduler = instantiate(
-        cfg["scheduler"], optimizer=optimizer, total_steps=epochs * len(train_batches), _convert_="all"
-    )
-    samples_s, accuracy = [], 0.0
-    for _ in range(epochs):
-        model.train()
-        start, seen = time.perf_counter(), 0
-        for images, labels in train_batches:
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            seen += len(labels)
-        samples_s.append(round(seen / (time.perf_counter() - start)))
-        model.eval()
-        correct = count = 0
-        with torch.no_grad():
-            for images, labels in valid_batches:
-                correct += (model(images).argmax(dim=1) == labels).sum().item()
-                count += len(labels)
-        accuracy = correct / count
-    return {"samples_s": samples_s, "val_accuracy": round(accuracy, 4)}
+    """The same training in one process with a DataLoader (the lean loader: the faster one for CIFAR)."""
+    figures = plain.train(cfg, lean=True)
+    return {"samples_s": figures["samples_s"], "val_accuracy": figures["val_accuracy"][-1]}
+
+
+def last_accuracy(figures: dict) -> dict:
+    return {**figures, "val_accuracy": figures["val_accuracy"][-1]}
 
 
 def main() -> None:
@@ -108,9 +53,9 @@ def main() -> None:
 
     data_dir()
     with tempfile.TemporaryDirectory() as workdir:
-        one = pipeline_run([], f"{workdir}/one")
+        one = last_accuracy(pipeline_run(EXPERIMENT, Path(workdir) / "one"))
         loop = plain_loop(compose(EXPERIMENT))
-        two = pipeline_run(TWO_WORKERS, f"{workdir}/two")
+        two = last_accuracy(pipeline_run([*EXPERIMENT, *TWO_WORKERS], Path(workdir) / "two"))
     floor = ray_floor()
     figures = {
         "pipeline_1_worker": one,
