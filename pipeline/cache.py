@@ -113,7 +113,8 @@ def build(
     pieces, by_group, sizes = [], [], []
     for group in groups:
         count = max(1, math.ceil(group.rows * row_bytes / PIECE_BYTES))
-        *refs, size = build_pieces.options(num_returns=count + 1, **options).remote(
+        # SPREAD, as Ray Data's reads: over the nodes, and never into a Tune trial's placement group
+        *refs, size = build_pieces.options(num_returns=count + 1, scheduling_strategy="SPREAD", **options).remote(
             group, filesystem, columns, prepare, count
         )
         by_group.append(list(range(len(pieces), len(pieces) + count)))

@@ -242,7 +242,10 @@ def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
     row_bytes = {}
     for name, split in splits.items():
         once, _ = cached_steps(cfg["transforms"][name])
-        sample = sample_rows(split, src, once)
+        try:
+            sample = sample_rows(split, src, once)
+        except Exception as err:  # a transform's own error about the user's data: it names the file and row
+            raise PipelineError(f"transforms.{name}: {type(err).__name__}: {err}") from err
         row_bytes[name] = cache.batch_bytes(sample) / max(len(sample["path"]), 1)
     estimate = round(sum(row_bytes[name] * split.rows for name, split in splits.items()))
     if estimate > capacity and ingest["cache"] is True:

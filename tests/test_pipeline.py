@@ -199,24 +199,38 @@ def leftover_actors(timeout_s: float = 30.0) -> list[str]:
         time.sleep(1)
 
 
-def data_with_a_bad_jpeg(root: Path) -> Path:
-    """CIFAR-like splits whose valid row 5 holds bytes that are not a JPEG."""
+def data_with_a_bad_jpeg(root: Path, row: int = 5, rows: int = 32) -> Path:
+    """CIFAR-like splits whose valid ``row`` (of ``rows``) holds bytes that are not a JPEG."""
     write_split(root / "cifar10" / "train", 64, 1, seed=3)
-    write_split(root / "cifar10" / "test", 32, 1, seed=4)
+    write_split(root / "cifar10" / "test", rows, 1, seed=4)
     table = pq.read_table(root / "cifar10" / "test" / "part-00000.parquet")
     images = table.column("image").to_pylist()
-    images[5] = b"\xff\xd8 this is not a JPEG"
+    images[row] = b"\xff\xd8 this is not a JPEG"
     table = table.set_column(0, "image", pa.array(images, pa.binary()))
     pq.write_table(table, root / "cifar10" / "test" / "part-00000.parquet")
     return root
 
 
-@pytest.mark.slow
-def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
+def test_a_bad_row_among_the_first_fails_before_anything_is_recorded(tmp_path, ray_runtime, monkeypatch):
+    """ingest.cache sizes itself by running the first rows through the steps that run once, on the driver:
+    a bad row among them is named there, before an MLflow run exists."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data")))
     with pytest.raises(
         PipelineError,
-        match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 5 of "
+        match=r"^transforms.valid: ValueError: decode_image: column 'image' row 5 of "
+        r".*/cifar10/test/part-00000.parquet holds b.*not an image that decodes \(ValueError: not a known image format",
+    ):
+        in_process(tmp_path, "broken", ["source.limit=null"])
+    assert no_runs_logged(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatch):
+    """A bad row past the first ones (the cache's size estimate reads 32) fails in training."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_with_a_bad_jpeg(tmp_path / "data", row=40, rows=64)))
+    with pytest.raises(
+        PipelineError,
+        match=r"training failed on rank\(s\) \[0, 1\]: .*'image' row 40 of "
         r".*/cifar10/test/part-00000.parquet holds b.*not an image that decodes \(ValueError: not a known image format",
     ):
         in_process(tmp_path, "broken", ["source.limit=null"])
