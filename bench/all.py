@@ -2,7 +2,8 @@
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py
 
-About 20 minutes on 2 cores; each script prints its table and writes outputs/bench/<name>.json.
+About 45 minutes on 2 cores (ingest.py, three seeds of three sets: about 21); each script prints its
+table and writes outputs/bench/<name>.json.
 """
 
 from __future__ import annotations
