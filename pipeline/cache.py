@@ -150,6 +150,8 @@ def dataset(cache: Cache, seed: int | None, then, seeded, options: dict) -> ray.
                 rows[piece] = count
         starts = np.cumsum([0, *rows])
         mine = epoch_rows(rows, tasks, seed, epoch)[task]
+        if not len(mine):  # more tasks than rows (a transform skipped most of them)
+            return
         piece_of = np.searchsorted(starts, mine, side="right") - 1
         needed = np.unique(piece_of)
         parts = dict(zip(needed.tolist(), ray.get([cache.pieces[i] for i in needed])))

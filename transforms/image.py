@@ -156,8 +156,8 @@ def _each_row(
     ragged: bool = False,
 ) -> Batch:
     """``image_of(i, encoded bytes or pixels)`` -> (channels, H, W) for every row, stacked into ``column``
-    (``ragged``: images of different shapes as an object array, which Ray Data keeps as variable-shaped
-    tensors); a row that fails is named (file and row) in the error raised, or dropped from every column
+    (``ragged``: as an object array of images, whose shapes may differ, which Ray Data keeps as
+    variable-shaped tensors); a row that fails is named (file and row) in the error raised, or dropped from every column
     with ``skip``."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"{step}: on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -178,7 +178,7 @@ def _each_row(
         log.warning("%s: skipped %d of %d rows in this batch", step, (~keep).sum(), len(keep))
         batch = {key: values[keep] for key, values in batch.items()}
     shapes = {image.shape for image in images}
-    if ragged and len(shapes) > 1:
+    if ragged:  # an object array even when this batch's shapes agree: every batch of the column alike
         column_of_images = np.empty(len(images), dtype=object)
         for i, image in enumerate(images):
             column_of_images[i] = image
