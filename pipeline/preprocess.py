@@ -156,19 +156,19 @@ def cached_dataset(
     features = source.input_columns(source_cfg)
     prepare = Steps(once, features if is_tabular(split, source_cfg) else None, columns[0])
     first = next(iter(once.values()), None)
-    options = {
+    build_options = {
         "num_cpus": max((s["num_cpus"] for s in once.values()), default=1.0),
         **(placement(first) if first else {}),
     }
     groups = cache.row_groups(split.files, split.filesystem, source_cfg["limit"])
-    built = cache.build(groups, split.filesystem, [*features, *columns[1:]], prepare, row_bytes, options)
+    pieces = cache.build(groups, split.filesystem, [*features, *columns[1:]], prepare, row_bytes, build_options)
     bind = functools.partial(seeded, epoch_counter=epoch_counter)
     inline = not any(is_class(spec) for spec in every_epoch.values())  # class steps need their actor pools
     then = Steps(every_epoch if inline else {}, None, columns[0])
     later = {} if inline else every_epoch
-    options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
-    ds = cache.dataset(built, shuffle_seed, then, bind, {**options, **read_placement(every_epoch)})
-    return apply(ds, later, columns, epoch_counter), built
+    epoch_options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
+    ds = cache.dataset(pieces, shuffle_seed, then, bind, {**epoch_options, **read_placement(every_epoch)})
+    return apply(ds, later, columns, epoch_counter), pieces
 
 
 def is_tabular(split: source.Split, source_cfg: dict) -> bool:
