@@ -66,13 +66,14 @@ def run(cfg: dict, job: Job) -> dict:
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
             data = datasets(cfg, splits, plan)
             tracker.log_data(splits, data.statistics)
-            report_cache(data, tracker)
+            reporter = report_cache(data, tracker)
             tracker.expected_rows = expected_rows(cfg, data.rows)
             storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage.uri)
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
             progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
             result = trainer.fit(cfg, data, storage, trainer.Handler(tracker, job.run_dir, progress))
+            reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             if cfg["tracking"]["log_model"] and result.checkpoint is not None:
@@ -92,8 +93,9 @@ def run(cfg: dict, job: Job) -> dict:
 
 
 def datasets(cfg: dict, splits: dict[str, source.Split], plan: preprocess.CachePlan) -> preprocess.TrainingData:
-    """The job's datasets, the cached stage of each built now: a transform that fails on the data
-    (an undecodable row) fails the run here, in one line naming the cause."""
+    """The job's datasets (with the cache on, its tasks are submitted here and run while training starts);
+    a transform that fails on the data in a pass made now (``ingest.standardize``'s) fails the run here,
+    in one line naming the cause."""
     try:
         return preprocess.training_data(cfg, splits, plan)
     except RayError as err:
@@ -103,7 +105,7 @@ def datasets(cfg: dict, splits: dict[str, source.Split], plan: preprocess.CacheP
         ) from err
 
 
-def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> None:
+def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:
     """Say what ``ingest.cache`` holds, on the console and in MLflow, once it is built: a helper thread
     waits while training reads the first pieces. A piece that failed to build fails training itself,
     which names the cause; this thread then says nothing."""
@@ -116,7 +118,9 @@ def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> None:
         log.info("ingest: %s", data.plan.summary())
         tracker.log_cache(data.plan)
 
-    threading.Thread(target=wait_and_report, name="cache-report", daemon=True).start()
+    thread = threading.Thread(target=wait_and_report, name="cache-report", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextmanager
