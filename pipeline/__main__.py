@@ -17,9 +17,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import pipeline
-from pipeline import predict, trainer
+from pipeline import predict, tracking, workarounds
+from pipeline.build import Job
 from pipeline.config import PipelineError, register
-from pipeline.run import Job, run
+from pipeline.run import run
 
 log = logging.getLogger("pipeline")
 register()
@@ -28,7 +29,7 @@ register()
 def describe_job(hydra_cfg: DictConfig) -> Job:
     """Where this job sits, from Hydra's runtime config (plain values for ``run``)."""
     overrides = list(hydra_cfg.overrides.task)
-    experiment = hydra_cfg.runtime.choices.get("experiment") or "default"
+    experiment = tracking.experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)
@@ -41,8 +42,8 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
 def main(cfg: DictConfig) -> float | None:
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
-    signal.signal(signal.SIGINT, lambda signum, frame: trainer.request_stop(KeyboardInterrupt()))
-    signal.signal(signal.SIGTERM, lambda signum, frame: trainer.request_stop(SystemExit(128 + signum)))
+    signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
     stage = predict.run if cfg.stage == "predict" else run
     try:
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)

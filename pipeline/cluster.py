@@ -18,7 +18,7 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline import trainer
+from pipeline import workarounds
 from pipeline.config import PipelineError
 from pipeline.filesystems import is_s3
 
@@ -75,7 +75,7 @@ def start_ray(
     if ray.is_initialized():
         return
     if address is None:
-        trainer.local_runtime_settings()
+        workarounds.local_runtime_settings()
     else:
         check_reachable(address)
     try:

@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, preprocess, source, tracking, trainer, worker
+from pipeline import cluster, console, preprocess, source, tracking, workarounds, worker
 from pipeline.config import PipelineError, feature_key, validate
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
@@ -172,17 +172,15 @@ def run(cfg: dict, job) -> dict:
     console.quiet_libraries()
     predict, src = cfg["predict"], cfg["source"]
     validate(cfg)
-    client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-    experiment_name = cfg["tracking"]["experiment_name"] or job.experiment
-    model_run = None
+    store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment, create=False)
+    client, model_run = store.client, None
     if predict["run"] or not predict["checkpoint"]:
-        found = client.get_experiment_by_name(experiment_name)
-        if found is None:
+        if store.experiment_id is None:
             raise PipelineError(
-                f"predict: there is no MLflow experiment {experiment_name!r} in {tracking.redact(uri)} "
+                f"predict: there is no MLflow experiment {store.name!r} in {tracking.redact(store.uri)} "
                 "to take a trained run from; train first, or give predict.checkpoint=PATH."
             )
-        model_run = trained_run(client, found.experiment_id, predict["run"])
+        model_run = trained_run(client, store.experiment_id, predict["run"])
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
     weights, statistics = load_weights(client, model_run, predict["checkpoint"])
@@ -195,14 +193,11 @@ def run(cfg: dict, job) -> dict:
         cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
     )
 
-    experiment = tracking.experiment_id(client, uri, experiment_name, cfg["paths"]["outputs"])
+    store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
-    run_id = tracking.start_run(
-        client, experiment, name, model_run.info.run_id if model_run else None, job.overrides, tracking.CODE_DIR
-    )
-    client.set_tag(run_id, STAGE_TAG, "predict")
-    client.set_tag(run_id, PREDICTIONS_TAG, output)
-    tracking.log_config(client, run_id, cfg)
+    parent = model_run.info.run_id if model_run else None
+    tags = {STAGE_TAG: "predict", PREDICTIONS_TAG: output}
+    run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
     tracking.log_data(client, run_id, {"prediction": split}, None)
     with tracking.recorded(client, run_id):
         columns = [feature_key(src)] + ([label] if label else []) + ["path"]
@@ -229,7 +224,7 @@ def run(cfg: dict, job) -> dict:
         try:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
-            raise PipelineError(f"prediction failed: {trainer.root_cause(err)}") from err
+            raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
         metrics = score(output, src["s3"], label, task_cfg["metrics"], time.perf_counter() - started)
         tracking.log_metrics(client, run_id, metrics, step=0)
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)

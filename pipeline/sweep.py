@@ -28,7 +28,7 @@ log = logging.getLogger("pipeline")
 def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: int, err: Exception) -> JobReturn:
     """A sweep job whose overrides do not compose, as a FAILED child of the sweep's parent run (with the
     sweep's base config and the error), and as a finished job to Hydra, so the sweep goes on."""
-    from pipeline.run import Job  # the training stage's imports, only when a job has failed
+    from pipeline.build import Job  # the training stage's imports, only when a job has failed
 
     console.quiet_libraries()
     error = PipelineError("the overrides do not compose: " + " ".join(str(err.__cause__ or err).split()))
@@ -36,7 +36,7 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     cfg = OmegaConf.to_container(sweep_config, resolve=False)
     del cfg["hydra"]
     cfg = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
-    experiment = sweep_config.hydra.runtime.choices.get("experiment") or "default"
+    experiment = tracking.experiment_choice(sweep_config.hydra.runtime.choices)
     job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
     tracking.Tracker.open(cfg, job).end("FAILED", error)
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
@@ -87,17 +87,16 @@ class SweepSummary(Callback):
         metric = config.optimized_metric
         sweep_dir = os.path.abspath(config.hydra.sweep.dir)
         try:
-            client, uri = tracking.connect(config.tracking.uri, config.paths.outputs)
+            experiment = tracking.experiment_choice(config.hydra.runtime.choices)
+            store = tracking.Store.open(config.tracking, config.paths.outputs, experiment, create=False)
         except PipelineError as err:
             log.error("sweep %s: cannot summarize it: %s", sweep_dir, err)
             sys.exit(1)
-        name = config.tracking.experiment_name or config.hydra.runtime.choices.get("experiment") or "default"
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, name, uri)
+        if store.experiment_id is None:
+            log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, store.name, store.uri)
             sys.exit(1)
-        parent = tracking.sweep_parent(client, found.experiment_id, sweep_dir)
-        jobs, best = summarize(client, found.experiment_id, parent, metric)
+        client, parent = store.client, store.sweep_parent(sweep_dir)
+        jobs, best = summarize(client, store.experiment_id, parent, metric)
         failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
         if best is not None:
             client.set_tag(parent, "pipeline.best_run_id", best["run_id"])

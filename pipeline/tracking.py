@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -103,6 +104,12 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def experiment_choice(choices) -> str:
+    """The ``+experiment=NAME`` a command chose (Hydra's runtime choices), or ``default``: a job's name for
+    its experiment when ``tracking.experiment_name`` is unset."""
+    return choices.get("experiment") or "default"
+
+
 def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
     """The experiment's id, created on first use; with the embedded SQLite store its artifacts go
     beside the store in ``<outputs>/mlartifacts``."""
@@ -111,6 +118,32 @@ def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> st
         return found.experiment_id
     artifacts = (Path(outputs).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
     return client.create_experiment(name, artifact_location=artifacts)
+
+
+@dataclass
+class Store:
+    """The MLflow store and experiment a job's runs go to (``tracking.experiment_name``, else the job's
+    ``+experiment``). :class:`Tracker`'s constructors are the only code that creates or reopens a run."""
+
+    client: MlflowClient
+    uri: str
+    name: str
+    experiment_id: str | None  # None: no such experiment yet (opened with create=False)
+
+    @classmethod
+    def open(cls, tracking_cfg: dict, outputs: str, experiment: str, create: bool = True) -> Store:
+        client, uri = connect(tracking_cfg["uri"], outputs)
+        name = tracking_cfg["experiment_name"] or experiment
+        if create:
+            return cls(client, uri, name, experiment_id(client, uri, name, outputs))
+        found = client.get_experiment_by_name(name)
+        return cls(client, uri, name, found.experiment_id if found else None)
+
+    def runs_where(self, key: str, value: str, **search) -> list:
+        return runs_where(self.client, self.experiment_id, key, value, **search)
+
+    def sweep_parent(self, sweep_dir: str) -> str:
+        return sweep_parent(self.client, self.experiment_id, sweep_dir)
 
 
 def runs_where(client: MlflowClient, experiment: str, key: str, value: str, **search) -> list:
@@ -153,22 +186,30 @@ def git_commit(path: str) -> str | None:
 
 
 def start_run(
-    client: MlflowClient, experiment: str, run_name: str | None, parent: str | None, overrides: list[str], code_dir: str
+    store: Store, run_name: str | None, parent: str | None, overrides: list[str], tags: dict[str, str] | None = None
 ) -> str:
-    """Create the job's run (RUNNING), nested under ``parent`` in a sweep, tagged with the Hydra
-    overrides and the code's git commit."""
-    tags = {OVERRIDES_TAG: redact(" ".join(overrides))[:MAX_TAG_LENGTH]}
+    """Create a run (RUNNING), nested under ``parent``, tagged with the Hydra overrides, the code's git
+    commit and ``tags``."""
+    tags = {OVERRIDES_TAG: redact(" ".join(overrides))[:MAX_TAG_LENGTH], **(tags or {})}
     if parent is not None:
         tags[MLFLOW_PARENT_RUN_ID] = parent
-    commit = git_commit(code_dir)
+    commit = git_commit(CODE_DIR)
     if commit is not None:
         tags[MLFLOW_GIT_COMMIT] = commit
-    return client.create_run(experiment, run_name=run_name, tags=tags).info.run_id
+    return store.client.create_run(store.experiment_id, run_name=run_name, tags=tags).info.run_id
 
 
-def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[str, str]:
+def reopen(client: MlflowClient, run) -> str:
+    """``run`` RUNNING again, without the error that ended it (it is in the past now); its id."""
+    client.update_run(run.info.run_id, status="RUNNING")
+    if ERROR_TAG in run.data.tags:
+        client.delete_tag(run.info.run_id, ERROR_TAG)
+    return run.info.run_id
+
+
+def reopen_run(store: Store, run_name: str) -> tuple[str, str]:
     """The newest unfinished run named ``run_name``, set RUNNING again, and its checkpoint location."""
-    found = runs_where(client, experiment, "run_name", run_name, order_by=["attributes.start_time DESC"], max_results=1)
+    found = store.runs_where("run_name", run_name, order_by=["attributes.start_time DESC"], max_results=1)
     if not found:
         raise PipelineError(
             f"train.resume=true: no run named {run_name!r} in this experiment to resume "
@@ -184,10 +225,7 @@ def reopen_run(client: MlflowClient, experiment: str, run_name: str) -> tuple[st
             f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
             "so it has no checkpoint to resume from."
         )
-    client.update_run(run.info.run_id, status="RUNNING")
-    if ERROR_TAG in run.data.tags:  # the failure that stopped it is in the past now
-        client.delete_tag(run.info.run_id, ERROR_TAG)
-    return run.info.run_id, run.data.tags[STORAGE_TAG]
+    return reopen(store.client, run), run.data.tags[STORAGE_TAG]
 
 
 def without_secrets(cfg: dict) -> dict:
@@ -342,35 +380,46 @@ class Tracker:
     to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
     state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
 
-    def __init__(
-        self, client: MlflowClient, uri: str, run_id: str, resume_from: str | None, started_at: float, cfg: dict
-    ):
-        self.client, self.uri, self.run_id = client, uri, run_id
+    def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: dict):
+        self.client, self.uri, self.run_id = store.client, store.uri, run_id
         self.metrics = epoch_metrics(cfg)  # what each epoch reports
         self.settings = cfg["tracking"]
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
-        self.logged = logged_epochs(client, run_id)  # a resumed run holds its first epochs already
+        self.logged = logged_epochs(store.client, run_id)  # a resumed run holds its first epochs already
         self.last: dict | None = None  # the latest epoch's metrics
         self.expected_rows: dict[str, int] = {}
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
+    # The tracker factory: every run the pipeline writes is created or reopened by one of these three.
+
     @classmethod
     def open(cls, cfg: dict, job) -> Tracker:
-        """The job's run in the configured store: a new one (in a sweep, nested under the sweep's
-        parent) with the config logged, or the run ``train.resume`` continues."""
-        client, uri = connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-        name = cfg["tracking"]["experiment_name"] or job.experiment
-        experiment = experiment_id(client, uri, name, cfg["paths"]["outputs"])
+        """A training job's run (``job``: a :class:`pipeline.job.Job`): the one ``train.resume``
+        continues, or a new one (in a sweep, nested under the sweep's parent run)."""
+        store = Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
         if cfg["train"]["resume"]:
-            run_id, resume_from = reopen_run(client, experiment, cfg["tracking"]["run_name"])
-            return cls(client, uri, run_id, resume_from, job.started_at, cfg)
-        parent = sweep_parent(client, experiment, job.sweep_dir) if job.sweep_dir else None
-        run_name = cfg["tracking"]["run_name"] or job.run_name
-        run_id = start_run(client, experiment, run_name, parent, job.overrides, CODE_DIR)
-        log_config(client, run_id, cfg)
-        return cls(client, uri, run_id, None, job.started_at, cfg)
+            run_id, resume_from = reopen_run(store, cfg["tracking"]["run_name"])
+            return cls(store, run_id, resume_from, job.started_at, cfg)
+        parent = store.sweep_parent(job.sweep_dir) if job.sweep_dir else None
+        return cls.start(store, cfg, job, cfg["tracking"]["run_name"] or job.run_name, parent)
+
+    @classmethod
+    def start(
+        cls, store: Store, cfg: dict, job, run_name: str | None, parent: str | None, tags: dict | None = None
+    ) -> Tracker:
+        """A new run in ``store``, nested under ``parent``, tagged with ``job``'s overrides and ``tags``,
+        with the config logged."""
+        run_id = start_run(store, run_name, parent, job.overrides, tags)
+        log_config(store.client, run_id, cfg)
+        return cls(store, run_id, None, job.started_at, cfg)
+
+    @classmethod
+    def reopen_tagged(cls, store: Store, cfg: dict, tag: str, value: str) -> Tracker | None:
+        """The run tagged ``tag=value`` (a Tune trial a resumed sweep restarts), RUNNING again; None if none."""
+        found = store.runs_where(tag, value)
+        return cls(store, reopen(store.client, found[0]), None, time.time(), cfg) if found else None
 
     def set_storage(self, uri: str) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""

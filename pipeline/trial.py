@@ -11,13 +11,11 @@ from __future__ import annotations
 import copy
 import os
 
-import ray
 from omegaconf import DictConfig, OmegaConf
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from pipeline import preprocess, source, trainer
-from pipeline.config import check_values
+from pipeline import build, events, trainer
 
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
 
@@ -38,16 +36,12 @@ def trial_dir(sweep_dir: str, trial_id: str) -> str:
 
 
 def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> None:
-    """Tune's trainable: the trial's config checked, its datasets built, then ``TorchTrainer.fit``."""
+    """Tune's trainable: the trial's job built as a run builds its own (:mod:`pipeline.build`), then trained."""
     cfg = trial_config(bases, params)
-    check_values(cfg)
-    data = preprocess.training_data(cfg, source.prepare(cfg["source"]))
-    trial_id = tune.get_context().get_trial_id()
-    storage = trainer.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
-    try:
+    with build.datasets(cfg, build.sources(cfg)) as data:
+        trial_id = tune.get_context().get_trial_id()
+        storage = trainer.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
         trainer.fit(cfg, data, storage, TrialEvents(), callbacks=(TuneReportCallback(),))
-    finally:
-        ray.kill(data.epoch_counter)
 
 
 class TrialEvents:
@@ -55,7 +49,7 @@ class TrialEvents:
     trial); progress, restores and placement reach the driver in the reports themselves."""
 
     def report_event(self, event: dict) -> None:
-        trainer.checked_ranks(event)
+        events.checked_ranks(event)
 
     def progress_event(self, event: dict) -> None:
         pass

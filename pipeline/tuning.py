@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import hydra
@@ -31,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import console, run, tracking, trainer
+from pipeline import console, preflight, tracking, trainer, workarounds
+from pipeline.build import Job
 from pipeline.config import PipelineError, active_steps, lower_is_better
-from pipeline.run import Job
 from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir
 from pipeline.worker import CHECKPOINT_FILE
 
@@ -70,10 +69,10 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
         raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
 
     resolved = {name: OmegaConf.to_container(base, resolve=True) for name, base in bases.items()}
-    splits = {name: run.preflight(cfg) for name, cfg in resolved.items()}
+    splits = {name: preflight.checked(cfg) for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
     metric = first["optimized_metric"]
-    experiment = config.hydra.runtime.choices.get("experiment") or "default"
+    experiment = tracking.experiment_choice(config.hydra.runtime.choices)
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
     recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
     trainable = tune.with_resources(
@@ -224,37 +223,24 @@ class TrialRecorder(tune.Callback):
         """A new child run, named for its number in the sweep and its sampled values."""
         overrides = [*self.fixed, *trial_overrides(params)]
         shown = " ".join(o for o in overrides if o != f"+experiment={self.experiment}")
-        name = f"trial {len(self.children(cfg))}: {shown}"
-        tracker = tracking.Tracker.open(
-            cfg, Job(trial_dir(self.sweep_dir, trial_id), self.experiment, overrides, self.sweep_dir, name)
-        )
-        tracker.client.set_tag(tracker.run_id, TRIAL_TAG, trial_id)
+        store = self.store(cfg)
+        parent = store.sweep_parent(self.sweep_dir)
+        name = f"trial {len(store.runs_where('mlflow.parentRunId', parent))}: {shown}"
+        job = Job(trial_dir(self.sweep_dir, trial_id), self.experiment, overrides, self.sweep_dir, name)
+        tracker = tracking.Tracker.start(store, cfg, job, name, parent, {TRIAL_TAG: trial_id})
         tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
         return tracker
 
     def reopen(self, cfg: dict, trial_id: str) -> tracking.Tracker | None:
         """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
-        client, uri, experiment = self.store(cfg)
-        found = tracking.runs_where(client, experiment, TRIAL_TAG, trial_id)
-        if not found:
-            return None
-        run_id = found[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
-        if tracking.ERROR_TAG in found[0].data.tags:
-            client.delete_tag(run_id, tracking.ERROR_TAG)
-        log.info("trial %s continues in MLflow run %s", trial_id, run_id)
-        return tracking.Tracker(client, uri, run_id, None, time.time(), cfg)
+        tracker = tracking.Tracker.reopen_tagged(self.store(cfg), cfg, TRIAL_TAG, trial_id)
+        if tracker is not None:
+            log.info("trial %s continues in MLflow run %s", trial_id, tracker.run_id)
+        return tracker
 
-    def children(self, cfg: dict) -> list:
-        client, _, experiment = self.store(cfg)
-        parent = tracking.sweep_parent(client, experiment, self.sweep_dir)
-        return tracking.runs_where(client, experiment, "mlflow.parentRunId", parent)
-
-    def store(self, cfg: dict) -> tuple:
-        """The MLflow client, store URI and experiment id the sweep's runs go to."""
-        client, uri = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-        name = cfg["tracking"]["experiment_name"] or self.experiment
-        return client, uri, tracking.experiment_id(client, uri, name, cfg["paths"]["outputs"])
+    def store(self, cfg: dict) -> tracking.Store:
+        """The MLflow store and experiment the sweep's runs go to."""
+        return tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         if result.get("epoch") is None:  # Tune's own final result of a trial
@@ -298,7 +284,7 @@ class TrialRecorder(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
         running = self.end_of(trial)
         if running is not None:
-            error = PipelineError(trainer.root_cause(RuntimeError(error_text(trial))))
+            error = PipelineError(workarounds.root_cause(RuntimeError(error_text(trial))))
             log.error("trial %s failed: %s", trial.trial_id, error)
             running.tracker.end("FAILED", error)
 
@@ -313,8 +299,8 @@ class TrialRecorder(tune.Callback):
             )
 
     def end_of(self, trial) -> OpenTrial | None:
-        """The trial, no longer open, with its placement group released (see trainer.py)."""
+        """The trial, no longer open, with its placement group released (see workarounds.py)."""
         group = self.groups.pop(trial.trial_id, None)
         if group is not None:
-            trainer.release_placement_group(group)
+            workarounds.release_placement_group(group)
         return self.open_trials.pop(trial.trial_id, None)

@@ -298,7 +298,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def where_this_runs(rank: int) -> dict:
     """This worker's rank, process, node, placement group and copy of the code, for the run's
-    ``workers.jsonl`` and each epoch's report (a Tune sweep's driver releases the group, trainer.py)."""
+    ``workers.jsonl`` and each epoch's report (a Tune sweep's driver releases the group, workarounds.py)."""
     group = ray.util.get_current_placement_group()
     return {
         "rank": rank,

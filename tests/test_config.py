@@ -15,8 +15,9 @@ from omegaconf.errors import OmegaConfBaseException
 from pipeline.cluster import runtime_env
 from pipeline.config import CONF_DIR, PipelineConfig, PipelineError, TransformSpec, active_steps, validate
 from pipeline.predict import actor_options
+from pipeline.preflight import check_resources
 from pipeline.preprocess import placement, read_placement
-from pipeline.trainer import check_resources, steps_per_epoch, trainer_settings
+from pipeline.trainer import steps_per_epoch, trainer_settings
 from pipeline.worker import amp_plan
 
 

@@ -19,8 +19,9 @@ from conftest import compose_cfg
 from mlflow import MlflowClient
 from test_pipeline import cli_env, in_process, run_cli
 
+from pipeline.build import Job
 from pipeline.config import PipelineError, compose, epoch_metrics
-from pipeline.run import Job, run
+from pipeline.run import run
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
 # the same numbers.
@@ -219,9 +220,9 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
 
 def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
     """A KeyboardInterrupt raised inside a finalizer is only printed; the request it made still ends fit()."""
-    from pipeline import trainer
+    from pipeline import workarounds
 
-    monkeypatch.setattr(trainer, "_stop_requests", [])
+    monkeypatch.setattr(workarounds, "_stop_requests", [])
 
     class SlowTrainer:  # stands in for TorchTrainer: fit() would return after 10 s
         def fit(self) -> str:
@@ -230,8 +231,8 @@ def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
 
     def swallowed_ctrl_c() -> None:
         with contextlib.suppress(KeyboardInterrupt):  # what happens to it inside a __del__
-            trainer.request_stop(KeyboardInterrupt())
+            workarounds.request_stop(KeyboardInterrupt())
 
     threading.Timer(0.3, swallowed_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):  # not "finished"
-        trainer.fit_off_main_thread(SlowTrainer())
+        workarounds.fit_off_main_thread(SlowTrainer())

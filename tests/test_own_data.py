@@ -17,8 +17,9 @@ from PIL import Image
 from test_pipeline import run_cli
 
 from pipeline import source, tracking
+from pipeline.build import Job
 from pipeline.config import PipelineError, validate
-from pipeline.run import Job, run
+from pipeline.run import run
 from pipeline.task import Task, finish
 
 # The experiment a user keeps in their own directory: a Hugging Face image export (PNG in {bytes, path}

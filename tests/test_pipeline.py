@@ -17,8 +17,9 @@ from conftest import compose_cfg, free_port, write_split
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from pipeline.build import Job
 from pipeline.config import PipelineError
-from pipeline.run import Job, run
+from pipeline.run import run
 
 LEARNS = ["train.epochs=4", "ingest.batch_size=32"]  # 512 training rows: 16 steps an epoch
 METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows", "data_wait_fraction")

@@ -1,4 +1,4 @@
-"""Canaries: each pins a behaviour of Ray (2.60) that a workaround in ``pipeline/trainer.py`` exists
+"""Canaries: each pins a behaviour of Ray (2.60) that a workaround in ``pipeline/workarounds.py`` exists
 for. When one fails, Ray has changed: revisit the workaround it names, then the canary."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
-from pipeline.trainer import explain, release_placement_group, root_cause
+from pipeline.workarounds import explain, release_placement_group, root_cause
 
 
 def read_a_bad_row(config: dict) -> None:

@@ -22,8 +22,8 @@ from mlflow import MlflowClient
 from test_pipeline import in_process, run_cli
 
 from pipeline.config import PipelineError
+from pipeline.preflight import check_storage
 from pipeline.source import prepare
-from pipeline.trainer import check_storage
 
 DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
 

@@ -1,0 +1,143 @@
+"""Runs on the driver while ``fit()`` runs: the workers' events, taken off a Ray queue by a helper
+thread and handed to an :class:`EventHandler`: a job's :class:`Handler` (progress to the console, each
+epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both) or a Tune
+trial's (``trial.py``).
+
+Events are ``(kind, payload)`` pairs: ``worker`` (where a rank runs), ``progress`` (rank 0, every few
+steps), ``restored`` (a checkpoint was loaded), from :mod:`pipeline.worker`; ``report`` (every rank's
+metrics for an epoch), from :class:`ReportRelay` in Ray Train's controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from contextlib import contextmanager, suppress
+from typing import Protocol
+
+import ray.train
+from ray.exceptions import RayError
+from ray.util.queue import Empty, Queue
+
+from pipeline import console
+from pipeline.config import PipelineError
+from pipeline.tracking import Tracker
+
+# How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
+# so a short wait costs CPU all run long; the end of a run wakes the thread at once with a "stop" event.
+QUEUE_WAIT_S = 5.0
+
+
+class EventHandler(Protocol):
+    """What the driver does with each kind of worker event, then once the run ends."""
+
+    def worker_event(self, event: dict) -> None: ...
+
+    def progress_event(self, event: dict) -> None: ...
+
+    def report_event(self, event: dict) -> None: ...
+
+    def restored_event(self, event: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ReportRelay(ray.train.UserCallback):
+    """Runs in Ray Train's controller: every report (all ranks' metrics, the persisted checkpoint) to the driver."""
+
+    def __init__(self, events: Queue):
+        self.events = events
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
+
+
+class Handler:
+    """What the driver does with each worker event."""
+
+    def __init__(self, tracker: Tracker, run_dir: str, progress: console.Progress):
+        self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
+
+    def progress_event(self, event: dict) -> None:
+        self.tracker.log_startup(event["at"], event["epoch"])
+        if event["log"]:
+            self.tracker.log_step_loss(event["loss"], event["global_step"])
+        self.progress.update(event)
+
+    def worker_event(self, event: dict) -> None:
+        self.append("workers.jsonl", event)
+
+    def report_event(self, event: dict) -> None:
+        ranks = checked_ranks(event)
+        self.append("metrics.jsonl", {"checkpoint": event["checkpoint"], "ranks": ranks})
+        self.tracker.log_epoch(ranks[0])
+        self.progress.epoch_done(ranks[0])
+
+    def restored_event(self, event: dict) -> None:
+        self.tracker.log_restore(event["epoch"])
+        self.progress.restored(event["epoch"])
+
+    def append(self, name: str, record: dict) -> None:
+        with open(os.path.join(self.run_dir, name), "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def checked_ranks(report: dict) -> list[dict]:
+    """A report's per-rank metrics in rank order, checked to agree."""
+    ranks = sorted(report["ranks"], key=lambda r: r["rank"])
+    check_ranks_agree(ranks)
+    return ranks
+
+
+def check_ranks_agree(ranks: list[dict]) -> None:
+    """DDP replicas must hold identical weights and, after the all-reduce, identical metrics."""
+    for key in ("weights_sha256", "val_loss", *filter(console.is_task_metric, ranks[0])):
+        values = {r[key] for r in ranks}
+        if len(values) > 1:
+            raise PipelineError(f"training workers disagree on {key} after epoch {ranks[0]['epoch']}: {values}.")
+
+
+@contextmanager
+def relayed(events: Queue, handler: EventHandler):
+    """A driver thread hands every event to ``handler`` while the body runs; then the queue is
+    drained and whatever a handler raised is raised here."""
+    stop, errors = threading.Event(), []
+
+    dispatch = {
+        "worker": handler.worker_event,
+        "progress": handler.progress_event,
+        "report": handler.report_event,
+        "restored": handler.restored_event,
+    }
+
+    def relay() -> None:
+        while True:
+            try:
+                kind, payload = events.get(timeout=QUEUE_WAIT_S)
+            except Empty:
+                if stop.is_set():
+                    break
+                continue
+            if kind == "stop":
+                break
+            try:
+                dispatch[kind](payload)
+            except BaseException as err:  # raised on the main thread once fit() returns
+                errors.append(err)
+        handler.close()
+
+    thread = threading.Thread(target=relay, name="event-relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        with suppress(RayError):  # a lost queue actor: the thread sees `stop` within QUEUE_WAIT_S instead
+            events.put(("stop", None))
+        thread.join()
+    if errors:
+        raise errors[0]

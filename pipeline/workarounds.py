@@ -1,0 +1,110 @@
+"""Every workaround for Ray's own behaviour (ray 2.60.0), each with the behaviour it targets; each is
+pinned by a canary in ``tests/test_ray_canaries.py`` that fails when Ray changes that behaviour.
+All run on the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from pipeline.config import PipelineError
+
+
+def local_runtime_settings() -> None:
+    """Environment for a local runtime, set before ``ray.init`` so every Ray process inherits it.
+
+    Ray 2.60: Ray Train's controller starts a preemption watcher (another process, several seconds
+    on 2 cores) unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``; nothing preempts a local runtime.
+    """
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+
+_stop_requests: list[BaseException] = []
+
+
+def request_stop(error: BaseException) -> None:
+    """A signal handler's body: raise ``error`` (KeyboardInterrupt, SystemExit) now, and again from
+    :func:`fit_off_main_thread`'s wait loop. An exception a handler raises while a finalizer runs on
+    the main thread (Ray's handles have ``__del__``) is only printed; a lost Ctrl-C would leave
+    training running."""
+    _stop_requests.append(error)
+    raise error
+
+
+def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()`` in a helper thread, waited on from this one.
+
+    Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
+    installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
+    dataset split coordinators) alive after the run, so a sweep piles them up. Off the main thread it
+    installs none: Ctrl-C and SIGTERM reach the pipeline as KeyboardInterrupt / SystemExit, the run
+    is recorded as KILLED, and leaving the process takes the run's actors with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # re-raised on the calling thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.5)  # a bounded wait lets signals through
+        if _stop_requests:
+            raise _stop_requests[0]
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost error of a worker failure, as ``Type: message``.
+
+    Ray 2.60 flattens an error raised in a task or actor (a Ray Data transform, a training worker)
+    into traceback text; the last ``SomeError: ...`` line that is not one of Ray's wrappers is what
+    user code raised.
+    """
+    lines = [
+        line
+        for line in str(err).splitlines()
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*: ", line) and not line.startswith("ray.")
+    ]
+    return lines[-1] if lines else f"{type(err).__name__}: {err}"
+
+
+def explain(err: ray.train.TrainingFailedError) -> PipelineError:
+    """One line per distinct cause, instead of Ray's truncated multi-rank traceback snippet."""
+    if isinstance(err, ray.train.WorkerGroupError):
+        causes = sorted({root_cause(e) for e in err.worker_failures.values()})
+        where = f"on rank(s) {sorted(err.worker_failures)}"
+    else:  # ControllerError: the controller itself failed (storage, a callback, scheduling)
+        causes, where = [root_cause(getattr(err, "controller_failure", err))], "in Ray Train's controller"
+    return PipelineError(
+        f"training failed {where}: {'; '.join(causes)} "
+        "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
+    )
+
+
+def release_placement_group(group_id: str) -> None:
+    """Remove a Tune trial's training placement group (hex id, as :func:`pipeline.worker.where_this_runs`
+    reports it) once the trial has ended, if it is still there.
+
+    Ray 2.60: a Tune scheduler that stops a trial (ASHA, median stopping) ends the trial's actor, and
+    with it the Ray Train controller the trial started, before the controller removes its worker
+    group's placement group. Ray Train's PlacementGroupCleaner would remove it, but it asks the state
+    API, which needs the dashboard; without one (a local runtime) the group holds its CPUs until the
+    sweep's process exits, and later trials wait for them forever.
+    """
+    group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+        remove_placement_group(group)
