@@ -14,7 +14,7 @@ import json
 import os
 import threading
 from contextlib import contextmanager, suppress
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import ray.train
 from ray.exceptions import RayError
@@ -22,7 +22,9 @@ from ray.util.queue import Empty, Queue
 
 from pipeline import console
 from pipeline.config import PipelineError
-from pipeline.tracking import Tracker
+
+if TYPE_CHECKING:  # not imported at run time: Ray Train's controller unpickles ReportRelay from this module,
+    from pipeline.tracking import Tracker  # and MLflow's and torch's imports would delay every run's start
 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
 # so a short wait costs CPU all run long; the end of a run wakes the thread at once with a "stop" event.

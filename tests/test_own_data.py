@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import run_cli
 
-from pipeline import source, tracking
+from pipeline import predict, source, tracking
 from pipeline.build import Job
 from pipeline.config import PipelineError, validate
 from pipeline.run import run
@@ -242,14 +242,16 @@ def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
 @pytest.mark.parametrize(
     "experiment, metrics", [("wine_mlp", ("val_accuracy",)), ("diabetes_mlp", ("val_mae", "val_rmse"))]
 )
-def test_tabular_experiments_train_and_predict_with_their_tasks_metrics(tmp_path, experiment, metrics):
+def test_tabular_experiments_train_and_predict_with_their_tasks_metrics(
+    tmp_path, experiment, metrics, ray_runtime, monkeypatch
+):
     """The scikit-learn examples: written to parquet on first use, trained, then predicted with the same
-    standardization (the predictions' metrics equal the last epoch's validation metrics)."""
-    args = [f"+experiment={experiment}", "train.epochs=5"]
-    trained = run_cli(args, tmp_path, tmp_path / "data")
-    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
-    predicted = run_cli([*args, "stage=predict"], tmp_path, tmp_path / "data")
-    assert predicted.returncode == 0, predicted.stdout[-3000:] + predicted.stderr[-3000:]
+    standardization (the predictions' metrics equal the last epoch's validation metrics). In-process on
+    the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py)."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
+    args = [f"+experiment={experiment}", "train.epochs=5", f"paths.outputs={tmp_path / 'outputs'}"]
+    run(compose_cfg(args), Job(str(tmp_path / "train"), experiment))
+    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), experiment))
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     training = next(r for r in runs if r.data.tags.get("pipeline.stage") != "predict")

@@ -64,13 +64,15 @@ def test_a_controller_failure_is_explained_by_its_cause():
     )
 
 
-def test_the_preemption_watcher_is_still_switched_by_its_environment_variable():
-    """Workaround: ``local_runtime_settings`` turns the watcher off by this variable's name; Ray reads
-    it in its controller and starts the watcher by default."""
+def test_the_controller_settings_a_local_runtime_changes_are_still_read_from_these_variables():
+    """Workaround: ``local_runtime_settings`` turns the preemption watcher off and shortens the
+    controller's polling by these variables' names; Ray reads them in its controller, with these defaults."""
     from ray.train.v2._internal import constants  # private on purpose: this test watches it
 
     assert constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR == "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
     assert constants.DEFAULT_ENABLE_PREEMPTION_WATCHER is True
+    assert constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR == "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    assert constants.DEFAULT_HEALTH_CHECK_INTERVAL_S == 2.0
 
 
 def report_epochs_forever(config: dict) -> None:

@@ -118,6 +118,7 @@ def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
             "+experiment=smoke",
             "hparams_search=optuna",
             "hydra.sweeper.n_trials=2",
+            "train.epochs=1",
             "ingest.batch_size=64",
             "source.limit=256",
             "hydra.sweep.dir=sweep",

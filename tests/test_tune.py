@@ -88,10 +88,10 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
         "+experiment=wine_mlp",
         "hparams_search=tune",
         "hydra/sweeper/scheduler=fifo",
-        "optim.lr=3e-3,1e-2,1e-3",
+        "optim.lr=3e-3,1e-2",
         "hydra.sweeper.num_samples=1",
         "hydra.sweeper.max_concurrent_trials=1",
-        "train.epochs=3",
+        "train.epochs=2",
         "ray.num_cpus=4",
         "hydra.sweep.dir=sweep",
     ]
@@ -121,16 +121,16 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
         command.wait()
     client, _, before = sweep_runs(tmp_path)
     finished = {c.data.tags["pipeline.tune_trial_id"]: c for c in before if c.info.status == "FINISHED"}
-    assert finished and len(finished) < 3  # killed between trials' ends, not after the last
+    assert len(finished) == 1  # killed between the trials' ends, not after the last
 
     result = run_cli(args, tmp_path, tmp_path / "data")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert "continuing the sweep" in output and "3 jobs, 0 failed" in output
+    assert "continuing the sweep" in output and "2 jobs, 0 failed" in output
     client, parent, after = sweep_runs(tmp_path)
     trials = [c.data.tags["pipeline.tune_trial_id"] for c in after]
-    assert len(after) == 3 and len(set(trials)) == 3  # every trial exactly once
-    assert all(c.info.status == "FINISHED" and epochs_logged(client, c) == [0, 1, 2] for c in after)
+    assert len(after) == 2 and len(set(trials)) == 2  # every trial exactly once
+    assert all(c.info.status == "FINISHED" and epochs_logged(client, c) == [0, 1] for c in after)
     for trial, run in finished.items():  # not re-run: the run is as the killed sweep left it
         (again,) = [c for c in after if c.data.tags["pipeline.tune_trial_id"] == trial]
         assert again.info.end_time == run.info.end_time
