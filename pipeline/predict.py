@@ -193,7 +193,8 @@ def run(cfg: dict, job) -> dict:
         cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
     )
 
-    store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
+    if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
+        store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
     parent = model_run.info.run_id if model_run else None
     tags = {STAGE_TAG: "predict", PREDICTIONS_TAG: output}

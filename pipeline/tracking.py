@@ -396,7 +396,7 @@ class Tracker:
 
     @classmethod
     def open(cls, cfg: dict, job) -> Tracker:
-        """A training job's run (``job``: a :class:`pipeline.job.Job`): the one ``train.resume``
+        """A training job's run (``job``: a :class:`pipeline.build.Job`): the one ``train.resume``
         continues, or a new one (in a sweep, nested under the sweep's parent run)."""
         store = Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
         if cfg["train"]["resume"]:
