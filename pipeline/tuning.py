@@ -213,17 +213,17 @@ class TrialRecorder(tune.Callback):
         trial_id, params = trial.trial_id, trial.config
         os.makedirs(trial_dir(self.sweep_dir, trial_id), exist_ok=True)  # its metrics.jsonl, wherever checkpoints go
         cfg = trial_config(self.bases, params)
-        tracker = self.reopen(cfg, trial_id) or self.open(cfg, trial_id, params)
+        store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
+        tracker = self.reopen(store, cfg, trial_id) or self.open(store, cfg, trial_id, params)
         storage = trainer.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
         tracker.set_storage(storage.uri)
         self.open_trials[trial_id] = OpenTrial(tracker, cfg, storage)
         log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))
 
-    def open(self, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
+    def open(self, store: tracking.Store, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
         """A new child run, named for its number in the sweep and its sampled values."""
         overrides = [*self.fixed, *trial_overrides(params)]
         shown = " ".join(o for o in overrides if o != f"+experiment={self.experiment}")
-        store = self.store(cfg)
         parent = store.sweep_parent(self.sweep_dir)
         name = f"trial {len(store.runs_where('mlflow.parentRunId', parent))}: {shown}"
         job = Job(trial_dir(self.sweep_dir, trial_id), self.experiment, overrides, self.sweep_dir, name)
@@ -231,16 +231,12 @@ class TrialRecorder(tune.Callback):
         tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
         return tracker
 
-    def reopen(self, cfg: dict, trial_id: str) -> tracking.Tracker | None:
+    def reopen(self, store: tracking.Store, cfg: dict, trial_id: str) -> tracking.Tracker | None:
         """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
-        tracker = tracking.Tracker.reopen_tagged(self.store(cfg), cfg, TRIAL_TAG, trial_id)
+        tracker = tracking.Tracker.reopen_tagged(store, cfg, TRIAL_TAG, trial_id)
         if tracker is not None:
             log.info("trial %s continues in MLflow run %s", trial_id, tracker.run_id)
         return tracker
-
-    def store(self, cfg: dict) -> tracking.Store:
-        """The MLflow store and experiment the sweep's runs go to."""
-        return tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
 
     def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
         if result.get("epoch") is None:  # Tune's own final result of a trial
