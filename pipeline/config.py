@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,27 +20,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.metrics import TASK_CHOICES, epoch_metrics, task_metric
+
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-# Reported every epoch, around the task's validation metrics (val_<metric>, see epoch_metrics): *_rows count
-# the rows that reached the training loop (all workers together); data_wait_fraction is the share of the
-# training loop's time spent waiting for its next batch.
-LOSSES = ("train_loss", "val_loss")
-COUNTERS = ("train_throughput", "train_rows", "val_rows", "data_wait_fraction")
-# The metrics each task type can report (task.metrics), as patterns: topK_accuracy for any K.
-TASK_METRICS = {"classification": r"accuracy|top[1-9][0-9]*_accuracy", "regression": r"mae|mse|rmse"}
-LOWER_IS_BETTER = ("loss", "mae", "mse", "rmse")
-
-
-def epoch_metrics(cfg: dict) -> tuple[str, ...]:
-    """What every epoch reports for this config: the losses, ``val_<metric>`` per task metric, counters."""
-    return (*LOSSES, *(f"val_{name}" for name in cfg["task"]["metrics"]), *COUNTERS)
-
-
-def lower_is_better(metric: str) -> bool:
-    """Losses and errors improve downwards; accuracies and throughput upwards."""
-    return metric.endswith(LOWER_IS_BETTER)
 
 
 def feature_key(source: dict) -> str:
@@ -375,15 +356,13 @@ def check_targets(cfg: dict) -> None:
 def check_task(task: dict, source: dict) -> None:
     """The task type and its metrics, the label's class count, and the feature column's form."""
     _require(
-        task["type"] in TASK_METRICS,
-        f"task.type must be one of {', '.join(TASK_METRICS)}, got {task['type']!r}.",
+        task["type"] in TASK_CHOICES,
+        f"task.type must be one of {', '.join(TASK_CHOICES)}, got {task['type']!r}.",
     )
-    pattern = TASK_METRICS[task["type"]]
     for name in task["metrics"]:
         _require(
-            re.fullmatch(pattern, name) is not None,
-            f"task.metrics: {name!r} is not a {task['type']} metric; choose from {pattern.replace('|', ', ')} "
-            "(topK_accuracy for any K, e.g. top5_accuracy).",
+            task_metric(task["type"], name) is not None,
+            f"task.metrics: {name!r} is not a {task['type']} metric; choose from {TASK_CHOICES[task['type']]}.",
         )
     _require(len(task["metrics"]) >= 1, "task.metrics needs at least one metric.")
     classes = source["num_classes"]
@@ -415,7 +394,7 @@ def check_values(cfg: dict) -> None:
                 f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
             )
     check_task(cfg["task"], cfg["source"])
-    metrics = epoch_metrics(cfg)
+    metrics = list(epoch_metrics(cfg["task"]))
     _require(
         cfg["optimized_metric"] in metrics,
         f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",

@@ -8,6 +8,8 @@ import sys
 
 from tqdm import tqdm
 
+from pipeline.metrics import is_task_metric
+
 
 def quiet_libraries() -> None:
     """Keep Ray's, Ray Data's and MLflow's chatter off the console: Ray Data's console shows errors
@@ -47,11 +49,6 @@ def data_wait_note(fraction: float, limit: float) -> str | None:
     )
 
 
-def is_task_metric(key: str) -> bool:
-    """``val_accuracy``, ``val_mae``, ...: a validation metric of the task, not a loss or a row count."""
-    return key.startswith("val_") and key not in ("val_loss", "val_rows")
-
-
 class Progress:
     """One progress bar per epoch (step and loss, as rank 0 sends them) and one line of metrics when
     the epoch is reported. Driven from the driver's event thread (:mod:`pipeline.trainer`)."""
@@ -59,17 +56,17 @@ class Progress:
     def __init__(self, epochs: int, steps: int, wait_limit: float):
         self.epochs, self.steps, self.wait_limit, self.bar = epochs, steps, wait_limit, None
 
-    def update(self, event: dict) -> None:
+    def update(self, epoch: int, step: int, loss: float) -> None:
         if self.bar is None:
             self.bar = tqdm(
                 total=self.steps,
-                desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
+                desc=f"epoch {epoch + 1}/{self.epochs}",
                 unit="batch",
                 dynamic_ncols=True,
                 leave=False,
             )
-        self.bar.update(event["step"] - self.bar.n)
-        self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def epoch_done(self, metrics: dict) -> None:
         self.close()

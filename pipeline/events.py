@@ -3,9 +3,9 @@ thread and handed to an :class:`EventHandler`: a job's :class:`Handler` (progres
 epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both) or a Tune
 trial's (``trial.py``).
 
-Events are ``(kind, payload)`` pairs: ``worker`` (where a rank runs), ``progress`` (rank 0, every few
-steps), ``restored`` (a checkpoint was loaded), from :mod:`pipeline.worker`; ``report`` (every rank's
-metrics for an epoch), from :class:`ReportRelay` in Ray Train's controller.
+The events are the dataclasses below: :class:`WorkerStarted`, :class:`StepTaken` and
+:class:`CheckpointRestored` from :mod:`pipeline.worker`; :class:`EpochReported` from :class:`ReportRelay`
+in Ray Train's controller.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import threading
 from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import ray.train
@@ -22,25 +23,65 @@ from ray.util.queue import Empty, Queue
 
 from pipeline import console
 from pipeline.config import PipelineError
+from pipeline.metrics import is_task_metric
 
 if TYPE_CHECKING:  # not imported at run time: Ray Train's controller unpickles ReportRelay from this module,
     from pipeline.tracking import Tracker  # and MLflow's and torch's imports would delay every run's start
 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
-# so a short wait costs CPU all run long; the end of a run wakes the thread at once with a "stop" event.
+# so a short wait costs CPU all run long; the end of a run wakes the thread at once with a None.
 QUEUE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerStarted:
+    """Where a rank runs: its process, node, placement group (a Tune sweep's driver releases the group,
+    workarounds.py) and copy of the code. A line of the run's ``workers.jsonl``."""
+
+    rank: int
+    pid: int
+    node_id: str
+    placement_group: str | None
+    code: str
+
+
+@dataclass(frozen=True)
+class StepTaken:
+    """Rank 0's step and batch loss, once a second and every ``tracking.log_every_n_steps`` steps (``log``)."""
+
+    epoch: int
+    step: int  # within the epoch
+    global_step: int
+    log: bool
+    loss: float
+    at: float  # wall-clock time the step ended: the first one ends start-up
+
+
+@dataclass(frozen=True)
+class CheckpointRestored:
+    """Rank 0 loaded a checkpoint (a restarted worker group, or a resumed run): training continues at ``epoch``."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class EpochReported:
+    """Every rank's metrics for an epoch, and where Ray Train persisted rank 0's checkpoint."""
+
+    ranks: list[dict]
+    checkpoint: str | None
 
 
 class EventHandler(Protocol):
     """What the driver does with each kind of worker event, then once the run ends."""
 
-    def worker_event(self, event: dict) -> None: ...
+    def worker_started(self, event: WorkerStarted) -> None: ...
 
-    def progress_event(self, event: dict) -> None: ...
+    def step_taken(self, event: StepTaken) -> None: ...
 
-    def report_event(self, event: dict) -> None: ...
+    def epoch_reported(self, event: EpochReported) -> None: ...
 
-    def restored_event(self, event: dict) -> None: ...
+    def checkpoint_restored(self, event: CheckpointRestored) -> None: ...
 
     def close(self) -> None: ...
 
@@ -52,7 +93,7 @@ class ReportRelay(ray.train.UserCallback):
         self.events = events
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        self.events.put(("report", {"ranks": metrics, "checkpoint": checkpoint.path if checkpoint else None}))
+        self.events.put(EpochReported(metrics, checkpoint.path if checkpoint else None))
 
 
 class Handler:
@@ -61,24 +102,24 @@ class Handler:
     def __init__(self, tracker: Tracker, run_dir: str, progress: console.Progress):
         self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
 
-    def progress_event(self, event: dict) -> None:
-        self.tracker.log_startup(event["at"], event["epoch"])
-        if event["log"]:
-            self.tracker.log_step_loss(event["loss"], event["global_step"])
-        self.progress.update(event)
+    def step_taken(self, event: StepTaken) -> None:
+        self.tracker.log_startup(event.at, event.epoch)
+        if event.log:
+            self.tracker.log_step_loss(event.loss, event.global_step)
+        self.progress.update(event.epoch, event.step, event.loss)
 
-    def worker_event(self, event: dict) -> None:
-        self.append("workers.jsonl", event)
+    def worker_started(self, event: WorkerStarted) -> None:
+        self.append("workers.jsonl", asdict(event))
 
-    def report_event(self, event: dict) -> None:
+    def epoch_reported(self, event: EpochReported) -> None:
         ranks = checked_ranks(event)
-        self.append("metrics.jsonl", {"checkpoint": event["checkpoint"], "ranks": ranks})
+        self.append("metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": ranks})
         self.tracker.log_epoch(ranks[0])
         self.progress.epoch_done(ranks[0])
 
-    def restored_event(self, event: dict) -> None:
-        self.tracker.log_restore(event["epoch"])
-        self.progress.restored(event["epoch"])
+    def checkpoint_restored(self, event: CheckpointRestored) -> None:
+        self.tracker.log_restore(event.epoch)
+        self.progress.restored(event.epoch)
 
     def append(self, name: str, record: dict) -> None:
         with open(os.path.join(self.run_dir, name), "a") as out:
@@ -88,16 +129,16 @@ class Handler:
         self.progress.close()
 
 
-def checked_ranks(report: dict) -> list[dict]:
+def checked_ranks(report: EpochReported) -> list[dict]:
     """A report's per-rank metrics in rank order, checked to agree."""
-    ranks = sorted(report["ranks"], key=lambda r: r["rank"])
+    ranks = sorted(report.ranks, key=lambda r: r["rank"])
     check_ranks_agree(ranks)
     return ranks
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:
     """DDP replicas must hold identical weights and, after the all-reduce, identical metrics."""
-    for key in ("weights_sha256", "val_loss", *filter(console.is_task_metric, ranks[0])):
+    for key in ("weights_sha256", "val_loss", *filter(is_task_metric, ranks[0])):
         values = {r[key] for r in ranks}
         if len(values) > 1:
             raise PipelineError(f"training workers disagree on {key} after epoch {ranks[0]['epoch']}: {values}.")
@@ -110,24 +151,24 @@ def relayed(events: Queue, handler: EventHandler):
     stop, errors = threading.Event(), []
 
     dispatch = {
-        "worker": handler.worker_event,
-        "progress": handler.progress_event,
-        "report": handler.report_event,
-        "restored": handler.restored_event,
+        WorkerStarted: handler.worker_started,
+        StepTaken: handler.step_taken,
+        EpochReported: handler.epoch_reported,
+        CheckpointRestored: handler.checkpoint_restored,
     }
 
     def relay() -> None:
         while True:
             try:
-                kind, payload = events.get(timeout=QUEUE_WAIT_S)
+                event = events.get(timeout=QUEUE_WAIT_S)
             except Empty:
                 if stop.is_set():
                     break
                 continue
-            if kind == "stop":
+            if event is None:  # the end of the run
                 break
             try:
-                dispatch[kind](payload)
+                dispatch[type(event)](event)
             except BaseException as err:  # raised on the main thread once fit() returns
                 errors.append(err)
         handler.close()
@@ -139,7 +180,7 @@ def relayed(events: Queue, handler: EventHandler):
     finally:
         stop.set()
         with suppress(RayError):  # a lost queue actor: the thread sees `stop` within QUEUE_WAIT_S instead
-            events.put(("stop", None))
+            events.put(None)
         thread.join()
     if errors:
         raise errors[0]

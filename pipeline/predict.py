@@ -155,14 +155,14 @@ def check_output(uri: str, s3: dict) -> None:
     fs.create_dir(path, recursive=True)
 
 
-def score(uri: str, s3: dict, label: str | None, task_metrics: list[str], seconds: float) -> dict:
+def score(uri: str, s3: dict, label: str | None, task: dict, seconds: float) -> dict:
     """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...),
     read back from the written predictions."""
     fs, path = locate(uri, s3, "predict.output")
     table = pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
     metrics = {"predict_rows": table.num_rows, "predict_throughput": table.num_rows / seconds}
     if label is not None and table.num_rows:
-        found = prediction_metrics(task_metrics, table["prediction"].to_numpy(), table[label].to_numpy())
+        found = prediction_metrics(task, table["prediction"].to_numpy(), table[label].to_numpy())
         metrics |= {f"predict_{name}": value for name, value in found.items()}
     return metrics
 
@@ -226,7 +226,7 @@ def run(cfg: dict, job) -> dict:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
             raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
-        metrics = score(output, src["s3"], label, task_cfg["metrics"], time.perf_counter() - started)
+        metrics = score(output, src["s3"], label, task_cfg, time.perf_counter() - started)
         tracking.log_metrics(client, run_id, metrics, step=0)
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, tracking.redact(output))

@@ -20,7 +20,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import console, tracking
-from pipeline.config import PipelineError, lower_is_better
+from pipeline.config import PipelineError
+from pipeline.metrics import lower_is_better
 
 log = logging.getLogger("pipeline")
 
@@ -42,13 +43,9 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
 
 
-def better(metric: str) -> int:
-    """+1 when a larger value of ``metric`` is better, -1 for losses and errors."""
-    return -1 if lower_is_better(metric) else 1
-
-
-def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[list[dict], dict | None]:
-    """Every child of the sweep's parent run, in job order, and the best finished one."""
+def summarize(client, experiment_id: str, parent: str, metric: str, better: int) -> tuple[list[dict], dict | None]:
+    """Every child of the sweep's parent run, in job order, and the best finished one (``better``: +1 when
+    a larger value of ``metric`` is better, -1 for losses and errors)."""
     children = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent}'",
@@ -67,7 +64,7 @@ def summarize(client, experiment_id: str, parent: str, metric: str) -> tuple[lis
         for child in children
     ]
     finished = [j for j in jobs if j["status"] in ("FINISHED", "STOPPED") and not math.isnan(j["value"])]
-    best = max(finished, key=lambda j: better(metric) * j["value"]) if finished else None
+    best = max(finished, key=lambda j: better * j["value"]) if finished else None
     return jobs, best
 
 
@@ -96,7 +93,8 @@ class SweepSummary(Callback):
             log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, store.name, store.uri)
             sys.exit(1)
         client, parent = store.client, store.sweep_parent(sweep_dir)
-        jobs, best = summarize(client, store.experiment_id, parent, metric)
+        better = -1 if lower_is_better(OmegaConf.to_container(config.task), metric) else 1
+        jobs, best = summarize(client, store.experiment_id, parent, metric, better)
         failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
         if best is not None:
             client.set_tag(parent, "pipeline.best_run_id", best["run_id"])

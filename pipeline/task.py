@@ -1,24 +1,21 @@
 """The task a model learns (runs in the training workers and the prediction replicas): its loss, its
 validation metrics and what a prediction is, as ``task`` declares them (conf/task/, TaskConfig).
-
-Every metric is a sum over rows divided by the row count (``rmse`` takes a square root at the end),
-so workers add up their shards' sums and every world size reports the same numbers.
+How each metric sums and finishes is declared in :mod:`pipeline.metrics`.
 """
 
 from __future__ import annotations
-
-import math
-import re
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
 
+from pipeline.metrics import Metric, task_metric
+
 
 class Task:
     def __init__(self, task: dict):
         self.regression = task["type"] == "regression"
-        self.metrics = list(task["metrics"])
+        self.metrics: dict[str, Metric] = {name: task_metric(task["type"], name) for name in task["metrics"]}
         self.loss_fn = instantiate(task["loss"], _convert_="all")
 
     def outputs(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -35,7 +32,7 @@ class Task:
     def sums(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each metric's sum over the batch (kept on the device)."""
         outputs, labels = self.outputs(outputs).float(), self.targets(labels)
-        return {name: metric_sum(name, outputs, labels) for name in self.metrics}
+        return {name: metric.batch_sum(outputs, labels) for name, metric in self.metrics.items()}
 
     def predict(self, outputs: torch.Tensor) -> dict[str, np.ndarray]:
         """What a prediction is: the class and its softmax probability, or the number."""
@@ -46,31 +43,15 @@ class Task:
         return {"prediction": prediction.cpu().numpy(), "confidence": confidence.cpu().numpy()}
 
 
-def metric_sum(name: str, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if name == "mae":
-        return (outputs - labels).abs().sum()
-    if name in ("mse", "rmse"):
-        return ((outputs - labels) ** 2).sum()
-    k = int(re.fullmatch(r"top(\d+)_accuracy", name).group(1)) if name != "accuracy" else 1
-    top = outputs.topk(min(k, outputs.shape[1]), dim=1).indices
-    return (top == labels[:, None]).any(dim=1).sum()
-
-
-def finish(name: str, total: float, count: int) -> float:
-    """A metric's value from its sum over ``count`` rows."""
-    mean = total / max(count, 1)
-    return math.sqrt(mean) if name == "rmse" else mean
-
-
-def prediction_metrics(metrics: list[str], predicted: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """The task's metrics over written predictions (top-k needs scores a prediction file does not keep)."""
+def prediction_metrics(task: dict, predicted: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """The task's metrics over written predictions: accuracy from the predicted classes, the errors from
+    the predicted numbers (top-k needs scores a prediction file does not keep)."""
     outputs, targets = torch.from_numpy(np.array(predicted)), torch.from_numpy(np.array(labels))
     found = {}
-    for name in metrics:
-        if name.startswith("top"):
-            continue
+    for name in task["metrics"]:
         if name == "accuracy":
             found[name] = float((outputs == targets).float().mean())
-        else:
-            found[name] = finish(name, float(metric_sum(name, outputs.float(), targets.float())), len(targets))
+        elif task["type"] == "regression":
+            metric = task_metric(task["type"], name)
+            found[name] = metric.value(float(metric.batch_sum(outputs.float(), targets.float())), len(targets))
     return found

@@ -31,8 +31,9 @@ from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
-from pipeline.config import LOSSES, PipelineError, epoch_metrics
+from pipeline.config import PipelineError
 from pipeline.console import data_wait_note
+from pipeline.metrics import LOSSES, epoch_metrics, first_task_metric
 
 log = logging.getLogger(__name__)
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -261,7 +262,7 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> 
 
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
     """Epochs whose metrics the run already holds (a resumed run continues after them)."""
-    return {m.step for m in client.get_metric_history(run_id, LOSSES[0])}
+    return {m.step for m in client.get_metric_history(run_id, "train_loss")}
 
 
 def epoch_history(client: MlflowClient, run_id: str, keys: tuple[str, ...]) -> list[dict]:
@@ -382,7 +383,8 @@ class Tracker:
 
     def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: dict):
         self.client, self.uri, self.run_id = store.client, store.uri, run_id
-        self.metrics = epoch_metrics(cfg)  # what each epoch reports
+        self.metrics = list(epoch_metrics(cfg["task"]))  # what each epoch reports
+        self.curve_metric = first_task_metric(cfg["task"])  # drawn beside the losses
         self.settings = cfg["tracking"]
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
@@ -479,7 +481,7 @@ class Tracker:
     def end(self, status: str, error: BaseException | None = None) -> None:
         """The learning curve, if any epoch was logged, then the end state."""
         if self.logged:
-            log_learning_curve(self.client, self.run_id, self.metrics[len(LOSSES)])  # the task's first metric
+            log_learning_curve(self.client, self.run_id, self.curve_metric)
         end_run(self.client, self.run_id, status, error)
 
     def __enter__(self) -> Tracker:

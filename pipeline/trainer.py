@@ -18,9 +18,9 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
 
-from pipeline.config import lower_is_better
 from pipeline.events import EventHandler, ReportRelay, relayed
 from pipeline.filesystems import is_s3, locate
+from pipeline.metrics import lower_is_better
 from pipeline.preprocess import TrainingData
 from pipeline.workarounds import explain, fit_off_main_thread
 from pipeline.worker import train_loop_per_worker
@@ -102,7 +102,7 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg["train"]["num_to_keep"],
                 checkpoint_score_attribute=cfg["train"]["checkpoint_metric"],
-                checkpoint_score_order=checkpoint_mode(cfg["train"]),
+                checkpoint_score_order=checkpoint_mode(cfg["train"], cfg["task"]),
             ),
             failure_config=FailureConfig(max_failures=cfg["train"]["max_failures"]),
             callbacks=[ReportRelay(events), *callbacks],
@@ -110,12 +110,12 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
     )
 
 
-def checkpoint_mode(train: dict) -> str:
+def checkpoint_mode(train: dict, task: dict) -> str:
     """``train.checkpoint_mode``, or, when null, min for a loss or an error metric and max otherwise."""
     if train["checkpoint_mode"] is not None:
         return train["checkpoint_mode"]
     metric = train["checkpoint_metric"]
-    return "min" if metric is not None and lower_is_better(metric) else "max"
+    return "min" if metric is not None and lower_is_better(task, metric) else "max"
 
 
 def epoch_steps(cfg: dict, data: TrainingData) -> int:

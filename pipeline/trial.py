@@ -48,16 +48,16 @@ class TrialEvents:
     """The workers' events in a trial: each report's ranks checked to agree (a disagreement fails the
     trial); progress, restores and placement reach the driver in the reports themselves."""
 
-    def report_event(self, event: dict) -> None:
+    def epoch_reported(self, event: events.EpochReported) -> None:
         events.checked_ranks(event)
 
-    def progress_event(self, event: dict) -> None:
+    def step_taken(self, event: events.StepTaken) -> None:
         pass
 
-    def worker_event(self, event: dict) -> None:
+    def worker_started(self, event: events.WorkerStarted) -> None:
         pass
 
-    def restored_event(self, event: dict) -> None:
+    def checkpoint_restored(self, event: events.CheckpointRestored) -> None:
         pass
 
     def close(self) -> None:

@@ -32,7 +32,8 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from pipeline import console, preflight, tracking, trainer, workarounds
 from pipeline.build import Job
-from pipeline.config import PipelineError, active_steps, lower_is_better
+from pipeline.config import PipelineError, active_steps
+from pipeline.metrics import lower_is_better
 from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir
 from pipeline.worker import CHECKPOINT_FILE
 
@@ -98,7 +99,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
             param_space=space,
             tune_config=tune.TuneConfig(
                 metric=metric,
-                mode="min" if lower_is_better(metric) else "max",
+                mode="min" if lower_is_better(first["task"], metric) else "max",
                 search_alg=search_alg,
                 scheduler=hydra.utils.instantiate(settings.scheduler) if settings.scheduler else None,
                 num_samples=settings.num_samples,

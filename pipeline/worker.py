@@ -25,7 +25,9 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from pipeline.config import feature_key
-from pipeline.task import Task, finish
+from pipeline.events import CheckpointRestored, StepTaken, WorkerStarted
+from pipeline.metrics import LOSSES
+from pipeline.task import Task
 
 CHECKPOINT_FILE = "checkpoint.pt"
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
@@ -39,7 +41,7 @@ def train_loop_per_worker(config: dict) -> None:
     if cfg["scaling"]["torch_threads"]:
         torch.set_num_threads(cfg["scaling"]["torch_threads"])
     device = ray.train.torch.get_device()
-    events.put(("worker", where_this_runs(rank)))
+    events.put(WorkerStarted(**where_this_runs(rank)))
 
     state = restored_state(device)  # a restarted worker group, or a resumed run
     start, epochs = (state["epoch"] + 1 if state else 0), cfg["train"]["epochs"]
@@ -52,8 +54,8 @@ def train_loop_per_worker(config: dict) -> None:
     if state is not None:
         replica.load_state_dict(state)
         if rank == 0:  # the driver counts every restore
-            events.put(("restored", {"epoch": start}))
-    progress = (lambda event: events.put(("progress", event))) if rank == 0 else None
+            events.put(CheckpointRestored(start))
+    progress = events.put if rank == 0 else None
 
     for epoch in range(start, epochs):
         batches = (
@@ -150,13 +152,13 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, steps_befo
         seen += len(batch[labels])
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
-            event = {"epoch": epoch, "step": step, "global_step": steps_before + step, "log": log}
-            progress(event | {"loss": loss.item(), "at": time.time()})  # .item() waits for the step: rarely
+            # .item() waits for the step: rarely
+            progress(StepTaken(epoch, step, steps_before + step, log, loss.item(), time.time()))
             last_sent = time.monotonic()
     elapsed = clock.elapsed()
     total_loss, total_seen, waited, ran = sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
     return {
-        "train_loss": total_loss / max(total_seen, 1),
+        "train_loss": LOSSES["train_loss"].value(total_loss, total_seen),
         "train_throughput": total_seen / elapsed,
         "train_rows": int(total_seen),
         "data_wait_fraction": waited / max(ran, 1e-9),
@@ -169,7 +171,8 @@ def evaluate(replica: Replica, batches: Iterable[dict], cfg: dict) -> dict:
     features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
     model, task = replica.module.eval(), replica.task
     device = next(model.parameters()).device
-    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in ("loss", *task.metrics)}
+    declared = {"loss": LOSSES["val_loss"], **task.metrics}  # how each sum finishes (pipeline.metrics)
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in declared}
     count = 0
     for batch in batches:
         with replica.autocast:
@@ -180,7 +183,8 @@ def evaluate(replica: Replica, batches: Iterable[dict], cfg: dict) -> dict:
             sums[name] += value.double()
         count += rows
     *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
-    return {f"val_{name}": finish(name, total, count) for name, total in zip(sums, totals)} | {"val_rows": int(count)}
+    values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
+    return values | {"val_rows": int(count)}
 
 
 def report(metrics: dict, replica: Replica, epoch: int, rank: int) -> None:

@@ -20,7 +20,8 @@ from mlflow import MlflowClient
 from test_pipeline import cli_env, in_process, run_cli
 
 from pipeline.build import Job
-from pipeline.config import PipelineError, compose, epoch_metrics
+from pipeline.config import PipelineError, compose
+from pipeline.metrics import epoch_metrics
 from pipeline.run import run
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
@@ -110,7 +111,7 @@ def the_run(tmp_path: Path):
 
 
 def assert_each_epoch_once(client: MlflowClient, run_id: str, epochs: int) -> None:
-    for key in epoch_metrics(compose()):
+    for key in epoch_metrics(compose()["task"]):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(epochs)), key
 
 

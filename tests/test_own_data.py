@@ -20,7 +20,7 @@ from pipeline import predict, source, tracking
 from pipeline.build import Job
 from pipeline.config import PipelineError, validate
 from pipeline.run import run
-from pipeline.task import Task, finish
+from pipeline.task import Task
 
 # The experiment a user keeps in their own directory: a Hugging Face image export (PNG in {bytes, path}
 # structs, grayscale, mixed sizes), decoded to 16x16 RGB for a small ViT.
@@ -196,15 +196,15 @@ def test_float_labels_for_classification_fail_naming_the_regression_task(tmp_pat
 def test_task_metrics_match_their_definitions():
     outputs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.1, 0.4], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
     labels = torch.tensor([1, 2, 0, 0])
-    task = Task({"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": []})
-    task.metrics = ["accuracy", "top2_accuracy"]
+    loss = {"_target_": "torch.nn.CrossEntropyLoss"}
+    task = Task({"type": "classification", "loss": loss, "metrics": ["accuracy", "top2_accuracy"]})
     sums = task.sums(outputs, labels)
     assert sums["accuracy"].item() == 2 and sums["top2_accuracy"].item() == 3  # row 3: label 0 is third
     regression = Task({"type": "regression", "loss": {"_target_": "torch.nn.HuberLoss"}, "metrics": ["mae", "rmse"]})
     predicted, actual = torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([1.0, 4.0, 1.0], dtype=torch.float64)
     sums = regression.sums(predicted, actual)
-    assert finish("mae", sums["mae"].item(), 3) == pytest.approx(5 / 3)
-    assert finish("rmse", sums["rmse"].item(), 3) == pytest.approx(np.sqrt(13 / 3))
+    assert regression.metrics["mae"].value(sums["mae"].item(), 3) == pytest.approx(5 / 3)
+    assert regression.metrics["rmse"].value(sums["rmse"].item(), 3) == pytest.approx(np.sqrt(13 / 3))
     assert regression.loss(predicted, actual).item() == pytest.approx(
         torch.nn.HuberLoss()(predicted[:, 0], actual.float())
     )
