@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from itertools import combinations
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,17 +16,26 @@ import pytest
 from conftest import free_port
 from mlflow import MlflowClient
 from test_pipeline import no_runs_logged, run_cli
+from test_tune import epochs_logged, sweep_runs
 
 HERE = Path(__file__).parent
-# Training on the "GPU" node by a custom resource and a label; every preprocessing step on the "CPU"
-# node, by resource (decode, crop) or label (flip): what a user writes in an experiment file.
+# Photos of 256-512 pixels a side (source=photos, written offline: 100 training rows in 15 files, 10
+# validation rows in 10, so two workers split validation evenly), cropped to 64 to keep the model small.
+SMALL_PHOTOS = [
+    "+experiment=photos_resnet",
+    "scaling=cpu",
+    "source.download.rows=100",
+    "transforms.train.crop.fn.size=64",
+    "transforms.valid.decode.fn.size=64",
+    "transforms.valid.decode.fn.resize=73",
+]
+# What a user writes in an experiment file: training on the "GPU" node by a custom resource and a label,
+# the decode steps on the "CPU" node by resource (training's) or label (validation's).
 PLACEMENT = [
     "+scaling.resources_per_worker.gpu_node=1",
     "+scaling.label_selector.node-type=gpu",
     "+transforms.train.decode.resources.cpu_node=1",
-    "+transforms.train.crop.resources.cpu_node=1",
-    "+transforms.train.flip.label_selector.node-type=cpu",
-    "+transforms.valid.decode.resources.cpu_node=1",
+    "+transforms.valid.decode.label_selector.node-type=cpu",
 ]
 
 
@@ -48,13 +58,30 @@ def cluster():
 
 
 def state(cluster: dict):
-    """Ray's state API on the cluster's dashboard: what ran where."""
+    """Ray's state API on the cluster's dashboard: how many of each actor and task ran on which node."""
     from ray.util.state import list_actors, list_tasks
 
     where = {cluster["cpu_node"]: "cpu", cluster["gpu_node"]: "gpu"}
     actors = list_actors(address=cluster["dashboard"], limit=10_000, detail=True, raise_on_missing_output=False)
     tasks = list_tasks(address=cluster["dashboard"], limit=10_000, detail=True, raise_on_missing_output=False)
-    return [(a.class_name, where.get(a.node_id)) for a in actors], [(t.name, where.get(t.node_id)) for t in tasks]
+    return Counter((a.class_name, where.get(a.node_id)) for a in actors), Counter(
+        (t.name, where.get(t.node_id)) for t in tasks
+    )
+
+
+def since(before: tuple, after: tuple) -> tuple[dict[str, Counter], dict[str, Counter]]:
+    """The actors and tasks that ran between two :func:`state` calls, by name (actor class, or a task's
+    name holding ``build_pieces`` / ``cached``), each as a count per node."""
+
+    def grouped(old: Counter, new: Counter, names: tuple[str, ...] | None) -> dict[str, Counter]:
+        found: dict[str, Counter] = {}
+        for (name, node), count in (new - old).items():
+            key = name if names is None else next((n for n in names if n in name), None)
+            if key is not None:
+                found.setdefault(key, Counter())[node] += count
+        return found
+
+    return grouped(before[0], after[0], None), grouped(before[1], after[1], ("build_pieces", "cached"))
 
 
 @pytest.mark.slow
@@ -67,25 +94,35 @@ def test_multi_node_run_without_shared_storage_fails_before_anything_is_recorded
 
 
 @pytest.mark.slow
-def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(tmp_path, data_root, cluster):
+def test_photos_train_on_the_gpu_node_are_cropped_on_the_cpu_node_and_predicted_on_the_gpu_node(tmp_path, cluster):
+    """Two training workers take every CPU of the "GPU" node. The decode steps are pinned to the "CPU"
+    node; the per-epoch random-resized-crop (+ flip) is not: its tasks go where CPUs are free, to the
+    CPU-only node, reading the cache of decoded photos. The predict stage's replicas are pinned to the
+    "GPU" node and score the same rows as validation."""
+    before = state(cluster)  # what earlier tests ran on this cluster
     storage = tmp_path / "storage"
     result = run_cli(
         [
-            "+experiment=smoke",
+            *SMALL_PHOTOS,
+            *PLACEMENT,
+            "scaling.num_workers=2",
+            "scaling.resources_per_worker.CPU=1",
+            "train.epochs=1",
+            "ingest.batch_size=32",
             f"ray.address={cluster['address']}",
             f"storage.path={storage}",
             "tracking.run_name=on-cluster",
             "hydra.run.dir=run",
-            *PLACEMENT,
         ],
         tmp_path,
-        data_root,
+        tmp_path / "data",
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    assert run.info.status == "FINISHED" and 0 <= run.data.metrics["val_accuracy"] <= 1
+    (run,) = client.search_runs([client.get_experiment_by_name("photos_resnet").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["train_rows"] == 100
+    assert 0 <= run.data.metrics["val_accuracy"] <= 1
     assert run.data.tags["pipeline.storage"].startswith(str(storage))
     ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
@@ -93,32 +130,33 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
     # the workers imported the pipeline the driver uploaded (ray.py_modules), not this checkout
     assert all("runtime_resources" in r["code"] and not r["code"].startswith(str(HERE.parent)) for r in ranks)
 
-    actors, tasks = state(cluster)
-    assert Counter(node for name, node in actors if name == "RayTrainWorker") == {"gpu": 2}
-    # the cache's decode tasks (a task per row group) and each epoch's crop + flip, all where the steps asked
-    for step in ("build_pieces", "cached"):
-        nodes = {node for name, node in tasks if step in name}
-        assert nodes == {"cpu"}, (step, nodes)
+    actors, tasks = since(before, state(cluster))  # this run's
+    assert actors["RayTrainWorker"] == Counter({"gpu": 2})
+    # the cache's decode tasks (one per row group), pinned; each epoch's crop + flip ("cached" tasks), not pinned
+    assert sum(tasks["build_pieces"].values()) == 15 + 10 and set(tasks["build_pieces"]) == {"cpu"}
+    assert tasks["cached"] and set(tasks["cached"]) == {"cpu"}, tasks["cached"]
 
+    before = state(cluster)
     result = run_cli(
         [
-            "+experiment=smoke",
+            *SMALL_PHOTOS,
             "stage=predict",
             "predict.run=on-cluster",
             f"ray.address={cluster['address']}",
             f"predict.output={tmp_path / 'predictions'}",
             "predict.num_cpus=0",
             "+predict.resources.gpu_node=1",
-            "+transforms.valid.decode.resources.cpu_node=1",
+            "+transforms.valid.decode.label_selector.node-type=cpu",
         ],
         tmp_path,
-        data_root,
+        tmp_path / "data",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    actors, tasks = state(cluster)
-    assert {node for name, node in actors if "Predictor" in name} == {"gpu"}
+    actors, _ = since(before, state(cluster))
+    assert {node for name, nodes in actors.items() if "Predictor" in name for node in nodes} == {"gpu"}
     predicted = client.search_runs(
-        [client.get_experiment_by_name("smoke").experiment_id], filter_string="tags.`pipeline.stage` = 'predict'"
+        [client.get_experiment_by_name("photos_resnet").experiment_id],
+        filter_string="tags.`pipeline.stage` = 'predict'",
     )[0]
     table = pq.read_table(tmp_path / "predictions")
     assert table.num_rows == predicted.data.metrics["predict_rows"] == run.data.metrics["val_rows"]
@@ -126,19 +164,20 @@ def test_smoke_trains_on_the_gpu_node_preprocesses_on_the_cpu_node_and_predicts(
 
 
 @pytest.mark.slow
-def test_a_tune_sweep_runs_its_trials_on_both_nodes(tmp_path, cluster):
-    """Two trials at once, each worker taking the one ``trial_slot`` a node has: one trial per node,
-    recorded in MLflow by the driver (the tag is rank 0's node, from the trial's reports)."""
+def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_stops_the_bad_one(tmp_path, cluster):
+    """Four trials of tiny MLPs on scikit-learn's wine data (written offline on first use), at most two at
+    once, each worker taking the one ``trial_slot`` a node has: one trial per node. lr=0, the clearly bad
+    one, is listed last so that ASHA has the others' results when it reaches its first rung. MLflow is
+    written by the driver only (the node tag is rank 0's node, from the trial's reports)."""
     result = run_cli(
         [
             "-m",
             "+experiment=wine_mlp",
             "hparams_search=tune",
-            "hydra/sweeper/scheduler=fifo",
-            "optim.lr=3e-3,1e-2",
+            "optim.lr=3e-3,1e-2,1e-3,0",
             "hydra.sweeper.num_samples=1",
             "hydra.sweeper.max_concurrent_trials=2",
-            "train.epochs=2",
+            "train.epochs=4",
             f"ray.address={cluster['address']}",
             f"storage.path={tmp_path / 'storage'}",
             "scaling.resources_per_worker.CPU=0.5",
@@ -150,48 +189,27 @@ def test_a_tune_sweep_runs_its_trials_on_both_nodes(tmp_path, cluster):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("wine_mlp").experiment_id])
-    trials = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(trials) == 2 and all(t.info.status == "FINISHED" for t in trials)
-    assert {t.data.tags["pipeline.node_id"] for t in trials} == {cluster["cpu_node"], cluster["gpu_node"]}
-    assert all(t.data.tags["pipeline.storage"].startswith(str(tmp_path / "storage")) for t in trials)
+    assert "4 jobs, 0 failed" in output and "Traceback" not in output
+    client, parent, children = sweep_runs(tmp_path)
+    assert len(children) == 4 and len({c.data.tags["pipeline.tune_trial_id"] for c in children}) == 4
+    assert sorted(float(c.data.params["optim.lr"]) for c in children) == [0, 1e-3, 3e-3, 1e-2]
+    assert {c.data.tags["pipeline.node_id"] for c in children} == {cluster["cpu_node"], cluster["gpu_node"]}
+    assert all(c.data.tags["pipeline.storage"].startswith(str(tmp_path / "storage")) for c in children)
 
+    # the runs' own recorded windows: some overlap, never more than two at once
+    windows = [(c.info.start_time, c.info.end_time) for c in children]
+    assert any(a[0] < b[1] and b[0] < a[1] for a, b in combinations(windows, 2))
+    assert all(sum(s <= start < e for s, e in windows) <= 2 for start, _ in windows)
 
-@pytest.mark.slow
-def test_real_size_photos_are_cropped_on_the_cpu_only_node_while_training_runs_on_the_other(tmp_path, cluster):
-    """The training worker takes every CPU of the "GPU" node, and no step is pinned: the random-resized-crop
-    (+ flip) tasks of every epoch go where CPUs are free, to the CPU-only node, reading the cache of
-    decoded photos (built while the trainer starts, wherever CPUs were free then). Photos of 256-512
-    pixels a side (source=photos, written offline), cropped to 64 here to keep the model small."""
-    before = Counter((name, node) for name, node in state(cluster)[1])  # what earlier tests ran on this cluster
-    result = run_cli(
-        [
-            "+experiment=photos_resnet",
-            "scaling=cpu",
-            "scaling.num_workers=1",
-            "scaling.resources_per_worker.CPU=2",
-            "+scaling.resources_per_worker.gpu_node=1",
-            "source.download.rows=96",
-            "train.epochs=1",
-            "ingest.batch_size=32",
-            "transforms.train.crop.fn.size=64",
-            "transforms.valid.decode.fn.size=64",
-            "transforms.valid.decode.fn.resize=73",
-            f"ray.address={cluster['address']}",
-            f"storage.path={tmp_path / 'storage'}",
-            "hydra.run.dir=run",
-        ],
-        tmp_path,
-        tmp_path / "data",
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("photos_resnet").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.metrics["train_rows"] == 96
-    (worker,) = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
-    assert worker["node_id"] == cluster["gpu_node"]
-    tasks = Counter((name, node) for name, node in state(cluster)[1]) - before  # this run's
-    crops = Counter(node for (name, node), count in tasks.items() for _ in range(count) if "cached" in name)
-    assert set(crops) == {"cpu"}, crops  # the per-epoch steps run in the "cached" tasks
-    assert sum(count for (name, _), count in tasks.items() if "build_pieces" in name) == 16 + 9  # one per row group
+    (bad,) = [c for c in children if float(c.data.params["optim.lr"]) == 0]
+    assert bad.info.status == "FINISHED" and "by ASHAScheduler" in bad.data.tags["pipeline.stopped_early"]
+    assert epochs_logged(client, bad) == list(range(len(epochs_logged(client, bad))))
+    assert len(epochs_logged(client, bad)) < 4  # stopped before its last epoch, its metrics kept
+    assert "STOPPED" in output
+
+    best = max(children, key=lambda c: c.data.metrics["val_accuracy"])
+    assert best.data.metrics["val_accuracy"] > 0.8 and "pipeline.stopped_early" not in best.data.tags
+    assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
+    assert {"config.yaml", "model", "learning_curve.png"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
+    trial = best.data.tags["pipeline.tune_trial_id"]
+    assert (tmp_path / "sweep" / trial / "metrics.jsonl").exists()

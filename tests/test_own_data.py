@@ -121,25 +121,25 @@ def sorted_wine(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_class_sorted_files_train_as_well_as_shuffled_ones(tmp_path, ray_runtime):
+def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predicts(tmp_path, ray_runtime):
     """The default shuffle mixes any layout (test_the_shuffle_is_new_each_epoch... shows a batch of a
     class-sorted split holding many classes), so a class-sorted copy of the rows reaches the accuracy of
-    the shuffled copy scikit-learn's rows are written as."""
+    the shuffled copy scikit-learn's rows are written as. The shuffled copy's model (the newest run)
+    then predicts its validation rows: the tabular classification path end to end."""
     source.write_sklearn(str(tmp_path / "shuffled"), "wine")
     sorted_wine(tmp_path / "sorted")
     accuracy = {}
     for name in ("sorted", "shuffled"):
-        cfg = compose_cfg(
-            [
-                "+experiment=wine_mlp",
-                f"source.root={tmp_path / name}",
-                "train.epochs=8",
-                f"paths.outputs={tmp_path / 'out'}",
-            ]
-        )
+        args = ["+experiment=wine_mlp", f"source.root={tmp_path / name}", f"paths.outputs={tmp_path / 'out'}"]
+        cfg = compose_cfg([*args, "train.epochs=8"])
         accuracy[name] = run(cfg, Job(str(tmp_path / f"run-{name}"), "wine"))["val_accuracy"]
     assert accuracy["shuffled"] >= 0.85, accuracy  # chance: about 0.4
     assert abs(accuracy["sorted"] - accuracy["shuffled"]) <= 0.06, accuracy  # two of 36 rows
+
+    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "wine"))
+    training, written = predicted_as_validated(tmp_path / "out", "wine", ("val_accuracy",))
+    assert training.data.metrics["val_accuracy"] == accuracy["shuffled"]
+    assert written["prediction"].type == pa.int64() and "confidence" in written.column_names
 
 
 def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
@@ -238,33 +238,33 @@ def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
     assert digests[0] != digests[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "experiment, metrics", [("wine_mlp", ("val_accuracy",)), ("diabetes_mlp", ("val_mae", "val_rmse"))]
-)
-def test_tabular_experiments_train_and_predict_with_their_tasks_metrics(
-    tmp_path, experiment, metrics, ray_runtime, monkeypatch
-):
-    """The scikit-learn examples: written to parquet on first use, trained, then predicted with the same
-    standardization (the predictions' metrics equal the last epoch's validation metrics). In-process on
-    the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py)."""
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
-    args = [f"+experiment={experiment}", "train.epochs=5", f"paths.outputs={tmp_path / 'outputs'}"]
-    run(compose_cfg(args), Job(str(tmp_path / "train"), experiment))
-    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), experiment))
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+def predicted_as_validated(outputs: Path, experiment: str, metrics: tuple[str, ...]):
+    """The prediction run in ``outputs`` and the training run whose model it used: both FINISHED, the
+    predictions' metrics equal to that run's last validation metrics, over as many rows. Returns the
+    training run and the written predictions."""
+    client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    training = next(r for r in runs if r.data.tags.get("pipeline.stage") != "predict")
-    prediction = next(r for r in runs if r.data.tags.get("pipeline.stage") == "predict")
+    (prediction,) = [r for r in runs if r.data.tags.get("pipeline.stage") == "predict"]
+    training = client.get_run(prediction.data.tags["mlflow.parentRunId"])
     assert training.info.status == prediction.info.status == "FINISHED"
     for metric in metrics:
         name = metric.removeprefix("val_")
         assert prediction.data.metrics[f"predict_{name}"] == pytest.approx(training.data.metrics[metric], rel=1e-4)
     written = pq.read_table(prediction.data.tags["pipeline.predictions"])
     assert written.num_rows == training.data.metrics["val_rows"]
-    if experiment == "wine_mlp":
-        assert training.data.metrics["val_accuracy"] > 0.7  # chance: about 0.4
-        assert written["prediction"].type == pa.int64() and "confidence" in written.column_names
-    else:
-        assert pa.types.is_floating(written["prediction"].type)
-        assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
+    return training, written
+
+
+@pytest.mark.slow
+def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path, ray_runtime, monkeypatch):
+    """scikit-learn's diabetes data: written to parquet on first use, trained, then predicted with the
+    same standardization (the predictions' metrics equal the last epoch's validation metrics). In-process
+    on the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py; classification:
+    the class-sorted test above)."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
+    args = ["+experiment=diabetes_mlp", "train.epochs=5", f"paths.outputs={tmp_path / 'outputs'}"]
+    run(compose_cfg(args), Job(str(tmp_path / "train"), "diabetes_mlp"))
+    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "diabetes_mlp"))
+    training, written = predicted_as_validated(tmp_path / "outputs", "diabetes_mlp", ("val_mae", "val_rmse"))
+    assert pa.types.is_floating(written["prediction"].type)
+    assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
