@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import RayError
 
 from pipeline import preprocess, source, workarounds
-from pipeline.config import PipelineError, check_values
+from pipeline.config import PipelineError, active_steps, check_values
 
 
 @dataclass
@@ -41,9 +41,17 @@ class Job:
 
 def sources(cfg: dict) -> dict[str, source.Split]:
     """The config's values checked, then its splits found and their files' footers read: every check
-    that needs neither Ray nor the job's MLflow run."""
+    that needs neither Ray nor the job's MLflow run. Each split carries its active transform steps."""
     check_values(cfg)
-    return source.prepare(cfg["source"])
+    splits = source.prepare(cfg["source"])
+    for name, split in splits.items():
+        split.steps = active_steps(cfg["transforms"][name])
+    return splits
+
+
+def transform_cpus(splits: dict[str, source.Split]) -> float:
+    """The most CPUs one transform step of the job asks for (0 without steps)."""
+    return max((s["num_cpus"] for split in splits.values() for s in split.steps.values()), default=0)
 
 
 @contextmanager

@@ -25,12 +25,6 @@ from pipeline.metrics import TASK_CHOICES, epoch_metrics, task_metric
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-def feature_key(source: dict) -> str:
-    """The column the model takes: ``source.feature_column``, or ``features`` when that is a list of
-    numeric columns (stacked into one vector per row)."""
-    return "features" if isinstance(source["feature_column"], list) else source["feature_column"]
-
-
 class PipelineError(Exception):
     """A problem with the user's config or data, reported as one paragraph without a traceback."""
 

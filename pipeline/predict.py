@@ -26,7 +26,7 @@ from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
 from pipeline import cluster, console, preprocess, source, tracking, workarounds, worker
-from pipeline.config import PipelineError, feature_key, validate
+from pipeline.config import PipelineError, active_steps, validate
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
 
@@ -184,8 +184,10 @@ def run(cfg: dict, job) -> dict:
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
     weights, statistics = load_weights(client, model_run, predict["checkpoint"])
-    split = source.check_split("predict.source", predict["source"], source.input_columns(src), src["s3"])
-    label = src["label_column"] if src["label_column"] in split.columns else None
+    layout = source.Layout.of(src)
+    split = source.check_split("predict.source", predict["source"], layout.inputs, src["s3"])
+    split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
+    label = layout.label if layout.label in split.columns else None
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
     cluster.connect(cfg["ray"], cfg["scaling"])
@@ -201,15 +203,15 @@ def run(cfg: dict, job) -> dict:
     run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
     tracking.log_data(client, run_id, {"prediction": split}, None)
     with tracking.recorded(client, run_id):
-        columns = [feature_key(src)] + ([label] if label else []) + ["path"]
-        rows = preprocess.dataset(split, cfg["transforms"]["valid"], columns, src)
+        columns = [layout.model_input] + ([label] if label else []) + ["path"]
+        rows = preprocess.dataset(split, split.steps, columns, src)
         predictor = {
             "model_cfg": model_cfg,
             "task_cfg": task_cfg,
             "weights": [ray.put(weights)],
             "normalize": cfg["ingest"]["normalize"],
             "statistics": statistics,
-            "feature": feature_key(src),
+            "feature": layout.model_input,
             "label": label,
             "use_gpu": cfg["scaling"]["use_gpu"],
             "train_cfg": cfg["train"],

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from pipeline import build, cluster, source, tracking
-from pipeline.config import PipelineError, active_steps, check_targets
+from pipeline.config import PipelineError, check_targets
 from pipeline.filesystems import is_s3, locate, s3_error
 
 
@@ -32,9 +32,7 @@ def checked(cfg: dict) -> dict[str, source.Split]:
         cluster.connect(cfg["ray"], cfg["scaling"])
         targets.result()
     if cfg["ray"]["address"] is None:  # a cluster may autoscale; a local runtime never grows
-        transform_steps = [s for split in cfg["transforms"].values() for s in active_steps(split).values()]
-        transform_cpus = max((s["num_cpus"] for s in transform_steps), default=0)
-        check_resources(ray.cluster_resources(), cfg["scaling"], transform_cpus)
+        check_resources(ray.cluster_resources(), cfg["scaling"], build.transform_cpus(splits))
     shared = {f"source.{name}": split.files[0] for name, split in splits.items() if split.local}
     cluster.check_shared(cfg["ray"]["address"], {**shared, "storage.path": storage})
     return splits

@@ -27,7 +27,7 @@ import ray.data
 from hydra.utils import instantiate
 
 from pipeline import cache, source
-from pipeline.config import PipelineError, active_steps, feature_key
+from pipeline.config import PipelineError
 from transforms.tabular import stack_features
 
 
@@ -90,13 +90,14 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
     once are submitted now, as Ray tasks, and training reads their output as it comes; only
     ``ingest.standardize`` waits, for its pass over the training split."""
     src, counter, ingest = cfg["source"], EpochCounter.remote(), cfg["ingest"]
-    columns = [feature_key(src), src["label_column"]]
+    layout = splits["train"].layout
+    columns = [layout.model_input, layout.label]
     seed = cfg["train"]["seed"] if ingest["shuffle"] else None
     plan = plan or cache_plan(cfg, splits)
     datasets, caches = {}, {}
     try:
         for name, split in splits.items():
-            shuffle, steps = seed if name == "train" else None, cfg["transforms"][name]
+            shuffle, steps = seed if name == "train" else None, split.steps
             if plan.on:
                 datasets[name], caches[name] = cached_dataset(
                     split, steps, columns, src, counter, shuffle, plan.row_bytes[name]
@@ -122,11 +123,11 @@ def dataset(
     """``split`` read lazily (as ``source.*`` says), numeric feature columns stacked into one vector,
     shuffled with ``shuffle_seed``, spread over at least one block per CPU, with ``steps`` chained on:
     every step runs every epoch (the cache off, and prediction).
-    ``columns``: the feature column the model takes (see :func:`feature_key`), then any others to keep."""
-    features = source.input_columns(source_cfg)
+    ``columns``: the column the model takes (the split's ``layout.model_input``), then any others to keep."""
+    features = split.layout.inputs
     placed = read_placement(steps)  # these steps run where the reads do, fused with them
     ds = source.read(split, [*features, *columns[1:]], source_cfg, placed)
-    if is_tabular(split, source_cfg):
+    if split.tabular:
         stacked = {"columns": features, "output": columns[0]}
         ds = ds.map_batches(stack_features, fn_kwargs=stacked, batch_size=None, **placed)
     if shuffle_seed is not None:
@@ -153,8 +154,8 @@ def cached_dataset(
     lazy dataset that reads their output each epoch, mixed with ``shuffle_seed``, with the per-epoch steps
     chained on. ``columns`` as :func:`dataset`'s."""
     once, every_epoch = cached_steps(steps)
-    features = source.input_columns(source_cfg)
-    prepare = Steps(once, features if is_tabular(split, source_cfg) else None, columns[0])
+    features = split.layout.inputs
+    prepare = Steps(once, features if split.tabular else None, columns[0])
     first = next(iter(once.values()), None)
     build_options = {
         "num_cpus": max((s["num_cpus"] for s in once.values()), default=1.0),
@@ -169,11 +170,6 @@ def cached_dataset(
     epoch_options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
     ds = cache.dataset(pieces, shuffle_seed, then, bind, {**epoch_options, **read_placement(every_epoch)})
     return apply(ds, later, columns, epoch_counter), pieces
-
-
-def is_tabular(split: source.Split, source_cfg: dict) -> bool:
-    """Whether the split's features are numbers to stack into one vector per row (several columns, or a list column)."""
-    return isinstance(source_cfg["feature_column"], list) or split.vector_column(source.input_columns(source_cfg)[0])
 
 
 class Steps:
@@ -208,17 +204,16 @@ def is_class(spec: dict) -> bool:
     return isinstance(fn, functools.partial) and isinstance(fn.func, type)
 
 
-def cached_steps(steps: dict[str, dict | None]) -> tuple[dict[str, dict], dict[str, dict]]:
+def cached_steps(steps: dict[str, dict]) -> tuple[dict[str, dict], dict[str, dict]]:
     """The steps that run once (up to the first that runs every epoch) and those that run every epoch.
     A step runs every epoch when its ``cache`` says false, or, unset, when its function takes the
     ``epoch`` (seeded augmentation: a new draw each epoch)."""
-    active = active_steps(steps)
-    names = list(active)
-    for i, spec in enumerate(active.values()):
+    names = list(steps)
+    for i, spec in enumerate(steps.values()):
         per_epoch = not spec["cache"] if spec.get("cache") is not None else takes_epoch(spec)
         if per_epoch:
-            return {n: active[n] for n in names[:i]}, {n: active[n] for n in names[i:]}
-    return active, {}
+            return {n: steps[n] for n in names[:i]}, {n: steps[n] for n in names[i:]}
+    return steps, {}
 
 
 def takes_epoch(spec: dict) -> bool:
@@ -235,15 +230,15 @@ def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
     """``ingest.cache`` decided before anything is recorded: the cached stage's size estimated from the
     first rows of each split (run through its once-only steps here, on the driver) against
     ``ingest.cache_share`` of Ray's object store. ``auto`` streams what does not fit; ``true`` fails."""
-    ingest, src = cfg["ingest"], cfg["source"]
+    ingest = cfg["ingest"]
     capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest["cache_share"])
     if ingest["cache"] is False:
         return CachePlan(False, 0, capacity)
     row_bytes = {}
     for name, split in splits.items():
-        once, _ = cached_steps(cfg["transforms"][name])
+        once, _ = cached_steps(split.steps)
         try:
-            sample = sample_rows(split, src, once)
+            sample = sample_rows(split, once)
         except Exception as err:  # a transform's own error about the user's data: it names the file and row
             raise PipelineError(f"transforms.{name}: {type(err).__name__}: {err}") from err
         row_bytes[name] = cache.batch_bytes(sample) / max(len(sample["path"]), 1)
@@ -259,13 +254,13 @@ def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
     return CachePlan(estimate <= capacity, estimate, capacity, row_bytes)
 
 
-def sample_rows(split: source.Split, src: dict, steps: dict[str, dict]) -> dict[str, np.ndarray]:
+def sample_rows(split: source.Split, steps: dict[str, dict]) -> dict[str, np.ndarray]:
     """The first rows of the split's first file as a Ray Data batch would hold them, through ``steps``."""
-    features = source.input_columns(src)
+    layout = split.layout
     reader = pq.ParquetFile(split.files[0], filesystem=split.filesystem)
-    table = pa.Table.from_batches([next(reader.iter_batches(SAMPLE_ROWS, columns=[*features, src["label_column"]]))])
-    stack = features if is_tabular(split, src) else None
-    return Steps(steps, stack, feature_key(src))(cache.numpy_batch(table, split.files[0]))
+    table = pa.Table.from_batches([next(reader.iter_batches(SAMPLE_ROWS, columns=[*layout.inputs, layout.label]))])
+    stack = layout.inputs if split.tabular else None
+    return Steps(steps, stack, layout.model_input)(cache.numpy_batch(table, split.files[0]))
 
 
 def permuted(batch: dict[str, np.ndarray], seed: int, epoch: int = 0) -> dict[str, np.ndarray]:
@@ -293,12 +288,12 @@ def feature_statistics(ds, column: str) -> dict[str, list[float]]:
 
 
 def apply(ds, specs: dict[str, dict], columns: list[str] | None, epoch_counter=None):
-    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict) appended, in order,
+    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict, none null) appended, in order,
     then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
     where the last step ran; ``None`` keeps every column. Without an ``epoch_counter`` (prediction),
     ``epoch`` keeps its default."""
     last: dict = {}
-    for spec in active_steps(specs).values():
+    for spec in specs.values():
         fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
         options = {
             "batch_format": "numpy",
@@ -340,5 +335,5 @@ def read_placement(specs: dict[str, dict]) -> dict:
     """Reading runs where the split's first step does, so a cluster's reads stay on its preprocessing
     nodes and Ray Data can fuse the read with that step into one task (select_columns, likewise,
     runs where the last step does)."""
-    steps = list(active_steps(specs).values())
+    steps = list(specs.values())
     return placement(steps[0]) if steps else {}

@@ -14,7 +14,7 @@ import json
 import os
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +29,30 @@ SPLITS = ("train", "valid")
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How rows become the model's input and target, as ``source`` says: the ``inputs`` columns are read,
+    stacked into one vector column ``features`` when ``source.feature_column`` lists several (a table);
+    ``model_input`` is the column the model takes, ``label`` its target."""
+
+    inputs: list[str]
+    model_input: str
+    label: str
+    stacked: bool
+
+    @classmethod
+    def of(cls, source: dict) -> Layout:
+        features = source["feature_column"]
+        if isinstance(features, list):
+            return cls(list(features), "features", source["label_column"], stacked=True)
+        return cls([features], features, source["label_column"], stacked=False)
+
+
 @dataclass
 class Split:
-    """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on."""
+    """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on,
+    and, as a job reads it, what the model takes of its rows and the transform steps they go through
+    (set by :func:`pipeline.build.sources`, or predict)."""
 
     uri: str  # as the config names it
     files: list[str]
@@ -39,6 +60,13 @@ class Split:
     filesystem: pafs.FileSystem
     schema: pa.Schema  # the last file's (every file has the required columns)
     digest: str  # of the file list and footers: changes when the data does
+    layout: Layout | None = None
+    steps: dict[str, dict] = field(default_factory=dict)  # its transform steps, those set to null left out
+
+    @property
+    def tabular(self) -> bool:
+        """Whether the features are numbers to stack into one vector per row (several columns, or a list column)."""
+        return self.layout.stacked or self.vector_column(self.layout.inputs[0])
 
     @property
     def local(self) -> bool:
@@ -52,12 +80,6 @@ class Split:
         """Whether column ``name`` holds a list or array of numbers per row (a table's features)."""
         kind = self.schema.field(name).type
         return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-
-
-def input_columns(source: dict) -> list[str]:
-    """The columns the model's input is made from: ``source.feature_column``, one name or several."""
-    features = source["feature_column"]
-    return list(features) if isinstance(features, list) else [features]
 
 
 def parquet_files(fs: pafs.FileSystem, path: str) -> list[str]:
@@ -153,9 +175,9 @@ def check_labels(key: str, file: str, footer: pq.ParquetFile, label: str, num_cl
 def prepare(source: dict) -> dict[str, Split]:
     """Resolve and check every split, downloading the data first when it is local, missing and allowed.
 
-    Row counts come back already capped by ``source.limit``.
+    Row counts come back already capped by ``source.limit``, each split with its :class:`Layout`.
     """
-    columns = [*input_columns(source), source["label_column"]]
+    layout = Layout.of(source)
     downloadable = source["download"] is not None and not any(is_s3(source[s]) for s in SPLITS)
     if downloadable and not all(parquet_files(*locate(source[s], source["s3"], f"source.{s}")) for s in SPLITS):
         from hydra.utils import instantiate
@@ -164,12 +186,15 @@ def prepare(source: dict) -> dict[str, Split]:
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
     checked = {
-        split: check_split(f"source.{split}", source[split], columns, source["s3"], source["num_classes"])
+        split: check_split(
+            f"source.{split}", source[split], [*layout.inputs, layout.label], source["s3"], source["num_classes"]
+        )
         for split in SPLITS
     }
     limit = source["limit"]
     for split in checked.values():
         split.rows = split.rows if limit is None else min(split.rows, limit)
+        split.layout = layout
     return checked
 
 

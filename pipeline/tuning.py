@@ -30,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import console, preflight, tracking, trainer, workarounds
+from pipeline import build, console, preflight, tracking, trainer, workarounds
 from pipeline.build import Job
-from pipeline.config import PipelineError, active_steps
+from pipeline.config import PipelineError
 from pipeline.metrics import lower_is_better
 from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir
 from pipeline.worker import CHECKPOINT_FILE
@@ -90,7 +90,10 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
         os.makedirs(sweep_dir, exist_ok=True)
         with open(os.path.join(sweep_dir, SWEEP_FILE), "w") as out:
             yaml.safe_dump(described, out)
-        concurrent = settings.max_concurrent_trials or concurrency(first, ray.cluster_resources())
+        transform_cpus = build.transform_cpus(next(iter(splits.values())))
+        concurrent = settings.max_concurrent_trials or concurrency(
+            first["scaling"], transform_cpus, ray.cluster_resources()
+        )
         log.info("sweep %s on Ray Tune: up to %d trial(s) at once", sweep_dir, concurrent)
         if grid:  # Tune applies max_concurrent_trials to a Searcher only; its generator takes it itself
             search_alg = hydra.utils.instantiate(generator, max_concurrent=concurrent)
@@ -145,13 +148,9 @@ def base_config(loader, config: DictConfig, overrides: list[str]) -> DictConfig:
     return composed
 
 
-def concurrency(cfg: dict, resources: dict) -> int:
+def concurrency(scaling: dict, transform_cpus: float, resources: dict) -> int:
     """Trials at once, when ``max_concurrent_trials`` is unset: as many as the runtime holds, each
-    taking its training workers' resources and at least a CPU for its preprocessing."""
-    scaling = cfg["scaling"]
-    transform_cpus = max(
-        (s["num_cpus"] for split in cfg["transforms"].values() for s in active_steps(split).values()), default=0
-    )
+    taking its training workers' resources (``scaling``) and at least a CPU for its preprocessing."""
     need = {key: amount * scaling["num_workers"] for key, amount in scaling["resources_per_worker"].items()}
     need["CPU"] = need.get("CPU", 0) + max(transform_cpus, 1)
     return max(1, min(math.floor(resources.get(key, 0) / amount) for key, amount in need.items() if amount > 0))

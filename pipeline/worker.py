@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from pipeline.config import feature_key
 from pipeline.events import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.metrics import LOSSES
+from pipeline.source import Layout
 from pipeline.task import Task
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -65,7 +65,7 @@ def train_loop_per_worker(config: dict) -> None:
         )
         metrics = train_epoch(replica, batches, cfg, epoch * config["steps_per_epoch"], epoch, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
-        metrics |= evaluate(replica, valid, cfg)
+        metrics |= evaluate(replica, valid)
         metrics |= {
             "epoch": epoch,
             "rank": rank,
@@ -86,6 +86,7 @@ class Replica:
     autocast: torch.autocast
     task: Task  # the loss and metrics
     statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
+    layout: Layout  # which column of a batch is the model's input, which its label
 
     @classmethod
     def build(cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None) -> Replica:
@@ -97,7 +98,8 @@ class Replica:
         if cfg["scheduler"] is not None:
             scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
         autocast, scaler = autocast_settings(device, cfg["train"])
-        return cls(model, optimizer, scheduler, scaler, autocast, Task(cfg["task"]), statistics)
+        layout = Layout.of(cfg["source"])
+        return cls(model, optimizer, scheduler, scaler, autocast, Task(cfg["task"]), statistics, layout)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -138,7 +140,7 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, steps_befo
     """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers.
     ``progress`` (rank 0) gets the step and batch loss once a second, and every
     ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step)."""
-    features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
+    features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
     device = next(replica.model.parameters()).device
     # Sums stay on the device: a .item() per step would stall a GPU on every batch.
@@ -166,9 +168,9 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, steps_befo
 
 
 @torch.no_grad()
-def evaluate(replica: Replica, batches: Iterable[dict], cfg: dict) -> dict:
+def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
     """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
-    features, labels = feature_key(cfg["source"]), cfg["source"]["label_column"]
+    features, labels = replica.layout.model_input, replica.layout.label
     model, task = replica.module.eval(), replica.task
     device = next(model.parameters()).device
     declared = {"loss": LOSSES["val_loss"], **task.metrics}  # how each sum finishes (pipeline.metrics)
@@ -232,7 +234,7 @@ def torch_batches(
     become floats here, on the training device: ``ingest.normalize`` for uint8 features,
     ``statistics`` (the training split's, with ``ingest.standardize``) for float ones.
     """
-    ingest, feature = cfg["ingest"], feature_key(cfg["source"])
+    ingest, feature = cfg["ingest"], Layout.of(cfg["source"]).model_input
     stream = shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
         prefetch_batches=ingest["prefetch_batches"],

@@ -10,9 +10,9 @@ import pytest
 from conftest import compose_cfg, write_split
 from test_own_data import write_sorted_and_shuffled
 
-from pipeline import preprocess, source
+from pipeline import build, preprocess, source
 from pipeline.cluster import local_cpus
-from pipeline.config import PipelineError
+from pipeline.config import PipelineError, active_steps
 from transforms import decode_image
 
 
@@ -21,7 +21,7 @@ def test_deterministic_steps_run_once_and_seeded_augmentation_every_epoch():
     says so; every step after it too. Decoding and resizing run once."""
 
     def split(overrides: list[str], name: str = "train") -> tuple[list[str], list[str]]:
-        once, every_epoch = preprocess.cached_steps(compose_cfg(overrides)["transforms"][name])
+        once, every_epoch = preprocess.cached_steps(active_steps(compose_cfg(overrides)["transforms"][name]))
         return list(once), list(every_epoch)
 
     assert split([]) == (["decode"], ["crop", "flip"])
@@ -44,7 +44,7 @@ def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit
     """auto caches what fits ingest.cache_share of the object store, streams what does not (and says
     so); true fails before training with the estimate and the settings to change; false never caches."""
     args = [f"source.root={data_root}", "source.download=null"]
-    splits = source.prepare(compose_cfg(args)["source"])
+    splits = build.sources(compose_cfg(args))
     plan = preprocess.cache_plan(compose_cfg(args), splits)
     assert plan.on
     assert 3 * 32 * 32 + 8 < plan.row_bytes["train"] < 3 * 32 * 32 + 200  # pixels, label and the file's path

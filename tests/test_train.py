@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline.metrics import epoch_metrics
+from pipeline.source import Layout
 from pipeline.task import Task
 from pipeline.worker import Replica, autocast_settings, evaluate, prefetched, train_epoch
 
@@ -49,11 +50,13 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     outputs = 3 if task["type"] == "classification" else 1
     model = torch.nn.Linear(4, outputs)
     autocast, scaler = autocast_settings(torch.device("cpu"), {"amp": False, "amp_dtype": "bfloat16"})
-    replica = Replica(model, torch.optim.SGD(model.parameters(), lr=0.1), None, scaler, autocast, Task(task), None)
+    layout = Layout.of({"feature_column": "x", "label_column": "y"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replica = Replica(model, optimizer, None, scaler, autocast, Task(task), None, layout)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
-    cfg = {"source": {"feature_column": "x", "label_column": "y"}, "tracking": {"log_every_n_steps": 0}}
-    metrics = train_epoch(replica, batches, cfg, 0, 0, None) | evaluate(replica, batches, cfg)
+    cfg = {"tracking": {"log_every_n_steps": 0}}
+    metrics = train_epoch(replica, batches, cfg, 0, 0, None) | evaluate(replica, batches)
     assert set(metrics) == set(epoch_metrics(task))
     assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
     assert all(value == value for value in metrics.values())  # no NaN
