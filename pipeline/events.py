@@ -3,9 +3,9 @@ thread and handed to an :class:`EventHandler`: a job's :class:`Handler` (progres
 epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both) or a Tune
 trial's (``trial.py``).
 
-The events are the dataclasses below: :class:`WorkerStarted`, :class:`StepTaken` and
-:class:`CheckpointRestored` from :mod:`pipeline.worker`; :class:`EpochReported` from :class:`ReportRelay`
-in Ray Train's controller.
+The events are the dataclasses of :mod:`pipeline.messages`: ``WorkerStarted``, ``StepTaken`` and
+``CheckpointRestored`` from :mod:`pipeline.worker`; ``EpochReported`` from :class:`ReportRelay` in Ray
+Train's controller.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import threading
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
 import ray.train
@@ -23,6 +23,7 @@ from ray.util.queue import Empty, Queue
 
 from pipeline import console
 from pipeline.config import PipelineError
+from pipeline.messages import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 from pipeline.metrics import is_task_metric
 
 if TYPE_CHECKING:  # not imported at run time: Ray Train's controller unpickles ReportRelay from this module,
@@ -31,45 +32,6 @@ if TYPE_CHECKING:  # not imported at run time: Ray Train's controller unpickles 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
 # so a short wait costs CPU all run long; the end of a run wakes the thread at once with a None.
 QUEUE_WAIT_S = 5.0
-
-
-@dataclass(frozen=True)
-class WorkerStarted:
-    """Where a rank runs: its process, node, placement group (a Tune sweep's driver releases the group,
-    workarounds.py) and copy of the code. A line of the run's ``workers.jsonl``."""
-
-    rank: int
-    pid: int
-    node_id: str
-    placement_group: str | None
-    code: str
-
-
-@dataclass(frozen=True)
-class StepTaken:
-    """Rank 0's step and batch loss, once a second and every ``tracking.log_every_n_steps`` steps (``log``)."""
-
-    epoch: int
-    step: int  # within the epoch
-    global_step: int
-    log: bool
-    loss: float
-    at: float  # wall-clock time the step ended: the first one ends start-up
-
-
-@dataclass(frozen=True)
-class CheckpointRestored:
-    """Rank 0 loaded a checkpoint (a restarted worker group, or a resumed run): training continues at ``epoch``."""
-
-    epoch: int
-
-
-@dataclass(frozen=True)
-class EpochReported:
-    """Every rank's metrics for an epoch, and where Ray Train persisted rank 0's checkpoint."""
-
-    ranks: list[dict]
-    checkpoint: str | None
 
 
 class EventHandler(Protocol):

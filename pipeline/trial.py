@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from pipeline import build, events, trainer
+from pipeline import build, events, messages, trainer
 
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
 
@@ -48,16 +48,16 @@ class TrialEvents:
     """The workers' events in a trial: each report's ranks checked to agree (a disagreement fails the
     trial); progress, restores and placement reach the driver in the reports themselves."""
 
-    def epoch_reported(self, event: events.EpochReported) -> None:
+    def epoch_reported(self, event: messages.EpochReported) -> None:
         events.checked_ranks(event)
 
-    def step_taken(self, event: events.StepTaken) -> None:
+    def step_taken(self, event: messages.StepTaken) -> None:
         pass
 
-    def worker_started(self, event: events.WorkerStarted) -> None:
+    def worker_started(self, event: messages.WorkerStarted) -> None:
         pass
 
-    def checkpoint_restored(self, event: events.CheckpointRestored) -> None:
+    def checkpoint_restored(self, event: messages.CheckpointRestored) -> None:
         pass
 
     def close(self) -> None:

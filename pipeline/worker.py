@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from pipeline.events import CheckpointRestored, StepTaken, WorkerStarted
+from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.metrics import LOSSES
 from pipeline.source import Layout
 from pipeline.task import Task
