@@ -17,17 +17,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import pipeline
-from pipeline import predict, tracking, workarounds
-from pipeline.build import Job
 from pipeline.config import PipelineError, register
-from pipeline.run import run
 
 log = logging.getLogger("pipeline")
 register()
 
 
-def describe_job(hydra_cfg: DictConfig) -> Job:
-    """Where this job sits, from Hydra's runtime config (plain values for ``run``)."""
+def describe_job(hydra_cfg: DictConfig):
+    """Where this job sits (a :class:`pipeline.build.Job`), from Hydra's runtime config."""
+    from pipeline import tracking
+    from pipeline.build import Job
+
     overrides = list(hydra_cfg.overrides.task)
     experiment = tracking.experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
@@ -40,11 +40,15 @@ def describe_job(hydra_cfg: DictConfig) -> Job:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
+    # so that a mistyped override or experiment fails at once.
+    from pipeline import predict, run, workarounds
+
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
     signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
     signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
-    stage = predict.run if cfg.stage == "predict" else run
+    stage = predict.run if cfg.stage == "predict" else run.run
     try:
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too

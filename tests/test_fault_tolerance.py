@@ -15,24 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import DETERMINISTIC, compose_cfg, in_process
 from mlflow import MlflowClient
-from test_pipeline import cli_env, in_process, run_cli
+from test_pipeline import cli_env, run_cli
 
 from pipeline.build import Job
 from pipeline.config import PipelineError, compose
 from pipeline.metrics import epoch_metrics
 from pipeline.run import run
-
-# One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
-# the same numbers.
-DETERMINISTIC = [
-    "source.limit=null",
-    "ingest.batch_size=16",
-    "scaling.num_workers=1",
-    "ingest.preserve_order=true",
-    "train.epochs=3",
-]
 
 
 def assert_all_gone(started: set[int]) -> None:
@@ -129,7 +119,7 @@ def test_sigterm_ends_the_run_killed_with_a_loadable_checkpoint_and_no_processes
 
 @pytest.mark.slow
 def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_one(
-    tmp_path, data_root, ray_runtime, monkeypatch
+    tmp_path, data_root, deterministic_run
 ):
     args = ["+experiment=smoke", *DETERMINISTIC, "tracking.run_name=long-run"]
     output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGINT, args)
@@ -149,11 +139,9 @@ def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_
     assert [m.step for m in client.get_metric_history(final.info.run_id, "restores")] == [reported]
 
     # Deterministic on CPU: the interrupted-and-resumed run ends where an uninterrupted one does.
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
-    straight, _ = in_process(tmp_path / "straight", "run", DETERMINISTIC)
-    assert straight["train_loss"] == pytest.approx(final.data.metrics["train_loss"], abs=1e-6)
-    assert straight["val_loss"] == pytest.approx(final.data.metrics["val_loss"], abs=1e-6)
-    assert straight["val_accuracy"] == final.data.metrics["val_accuracy"]
+    assert deterministic_run["train_loss"] == pytest.approx(final.data.metrics["train_loss"], abs=1e-6)
+    assert deterministic_run["val_loss"] == pytest.approx(final.data.metrics["val_loss"], abs=1e-6)
+    assert deterministic_run["val_accuracy"] == final.data.metrics["val_accuracy"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, free_port, write_split
+from conftest import compose_cfg, free_port, in_process, write_split
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -41,13 +41,6 @@ def run_cli(args: list[str], cwd: Path, data_root: Path | str) -> subprocess.Com
         text=True,
         timeout=600,
     )
-
-
-def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, Path]:
-    """Run a job inside pytest's process, on the shared Ray runtime, as a sweep's jobs run."""
-    cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", *overrides])
-    run_dir = tmp_path / name
-    return run(cfg, Job(str(run_dir), "smoke")), run_dir
 
 
 def test_startup_clock_starts_when_python_imports_the_pipeline_not_when_its_process_began():

@@ -21,6 +21,7 @@ GRID = [
     "train.epochs=1,0",
     "ingest.batch_size=64",
     "source.limit=256",
+    "scaling.num_workers=1",  # DDP over two workers: the other tests' runs
     "hydra.sweep.dir=sweep",
 ]
 
@@ -74,7 +75,9 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     assert [c.data.params["train.epochs"] for c in children] == ["1", "0", "1", "0"]
     assert [c.info.status for c in children] == ["FINISHED", "FAILED", "FINISHED", "FAILED"]
     assert "train.epochs must be >= 1, got 0" in children[1].data.tags["pipeline.error"]
-    assert children[0].info.run_name == "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256"
+    assert children[0].info.run_name == (
+        "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256 scaling.num_workers=1"
+    )
     for child in children:
         assert child.data.tags["pipeline.overrides"].startswith("+experiment=smoke optim.lr=")
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", child.data.tags["mlflow.source.git.commit"])
@@ -121,6 +124,7 @@ def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
             "train.epochs=1",
             "ingest.batch_size=64",
             "source.limit=256",
+            "scaling.num_workers=1",
             "hydra.sweep.dir=sweep",
         ],
         tmp_path,

@@ -16,8 +16,6 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline import sweep
-
 
 class PipelineLauncher(BasicLauncher):
     """Hydra's basic launcher (jobs one after another in this process), except that a job whose
@@ -25,6 +23,10 @@ class PipelineLauncher(BasicLauncher):
     on, where Hydra's own stops the whole sweep."""
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
+        # MLflow's and torch's imports only once a sweep launches: Hydra imports this module for every
+        # command, before it composes the config, and a mistyped override should fail at once
+        from pipeline import sweep
+
         runs = []
         for offset, overrides in enumerate(job_overrides):
             try:
