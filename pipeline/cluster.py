@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -48,11 +49,34 @@ def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict
     return env
 
 
-def connect(ray_cfg: dict, scaling: dict) -> None:
-    """Start or join Ray as ``ray.*`` says, with the project's code shipped to a cluster."""
-    env = runtime_env(ray_cfg["address"], ray_cfg["py_modules"], ray_cfg["runtime_env"])
-    num_cpus = ray_cfg["num_cpus"] or local_cpus(scaling)
-    start_ray(ray_cfg["address"], num_cpus, env, ray_cfg["object_store_memory"])
+@dataclass(frozen=True)
+class Runtime:
+    """The Ray runtime a job asks for, worked out once from ``ray`` and ``scaling``: where it runs, what a
+    local runtime holds, and what the training workers take of it."""
+
+    address: str | None
+    num_cpus: int
+    env: dict
+    object_store_memory: int | None
+    num_workers: int
+    per_worker: dict[str, float]  # scaling.resources_per_worker
+
+
+def runtime(ray_cfg: dict, scaling: dict) -> Runtime:
+    """The runtime ``ray.*`` and ``scaling.*`` ask for, with the project's code shipped to a cluster."""
+    return Runtime(
+        address=ray_cfg["address"],
+        num_cpus=ray_cfg["num_cpus"] or local_cpus(scaling),
+        env=runtime_env(ray_cfg["address"], ray_cfg["py_modules"], ray_cfg["runtime_env"]),
+        object_store_memory=ray_cfg["object_store_memory"],
+        num_workers=scaling["num_workers"],
+        per_worker=dict(scaling["resources_per_worker"]),
+    )
+
+
+def connect(wanted: Runtime) -> None:
+    """Start or join the runtime."""
+    start_ray(wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
 
 
 def local_cpus(scaling: dict) -> int:

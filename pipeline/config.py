@@ -388,7 +388,7 @@ def check_values(cfg: dict) -> None:
                 f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
             )
     check_task(cfg["task"], cfg["source"])
-    metrics = list(epoch_metrics(cfg["task"]))
+    metrics = list(epoch_metrics(cfg["task"]["type"], cfg["task"]["metrics"]))
     _require(
         cfg["optimized_metric"] in metrics,
         f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",

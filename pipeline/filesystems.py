@@ -9,6 +9,7 @@ the filesystem, so they are not written into configs, MLflow params or the tasks
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
@@ -76,3 +77,37 @@ def s3_error(key: str, uri: str, err: OSError) -> PipelineError:
         f"{section}.s3.endpoint_url (or AWS_ENDPOINT_URL) for S3-compatible stores, and {section}.s3.region. "
         + CREDENTIALS_HELP.format(key=section)
     )
+
+
+def make_dir(uri: str, s3: dict, key: str) -> None:
+    """Create the directory ``uri`` names now, so a missing bucket or a read-only store fails before training."""
+    fs, path = locate(uri, s3, key)
+    try:
+        fs.create_dir(path, recursive=True)
+    except OSError as err:
+        if is_s3(uri):
+            raise s3_error(key, uri, err) from err
+        raise PipelineError(f"{key}: cannot create {uri} ({err}).") from err
+
+
+@dataclass
+class RunStorage:
+    """Where Ray Train keeps a run's checkpoints: ``path``/``name`` on ``filesystem``, shown as ``uri``."""
+
+    path: str
+    name: str
+    filesystem: pafs.FileSystem
+    uri: str
+
+
+def run_storage(storage: dict, run_dir: str, run_id: str, resume_from: str | None = None) -> RunStorage:
+    """Each run's checkpoints live under its MLflow run id, in ``storage.path`` (a shared path or
+    ``s3://`` URI) or else the job's output directory (``<run_dir>/checkpoints``). Ray Train restores
+    from whatever it finds there, so a fresh run, with a fresh id, never resumes by accident; a
+    resumed run passes the place its first attempt recorded (``resume_from``)."""
+    if resume_from is not None:
+        parent, name = resume_from.rsplit("/", 1)
+    else:
+        parent, name = (storage["path"] or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
+    fs, path = locate(parent, storage["s3"], "storage.path")
+    return RunStorage(path, name, fs, f"{parent if is_s3(parent) else path}/{name}")

@@ -77,16 +77,16 @@ def task_metric(task_type: str, name: str) -> Metric | None:
     return Metric(False, top_k(int(k.group(1)))) if k else None
 
 
-def epoch_metrics(task: dict) -> dict[str, Metric]:
+def epoch_metrics(task_type: str, names: list[str]) -> dict[str, Metric]:
     """What every epoch of a run reports, in the order the console and MLflow show it: the losses, each
-    of ``task.metrics`` as ``val_<metric>``, the counters."""
-    declared = {f"val_{name}": task_metric(task["type"], name) for name in task["metrics"]}
+    of the task's metrics ``names`` (``task.metrics``) as ``val_<name>``, the counters."""
+    declared = {f"val_{name}": task_metric(task_type, name) for name in names}
     return {**LOSSES, **declared, **COUNTERS}
 
 
-def first_task_metric(task: dict) -> str:
-    """The task's first validation metric: the learning curve plots it beside the losses."""
-    return f"val_{task['metrics'][0]}"
+def first_task_metric(names: list[str]) -> str:
+    """The task's first validation metric (of ``task.metrics``): the learning curve plots it beside the losses."""
+    return f"val_{names[0]}"
 
 
 def is_task_metric(key: str) -> bool:
@@ -94,6 +94,6 @@ def is_task_metric(key: str) -> bool:
     return key.startswith("val_") and key not in LOSSES and key not in COUNTERS
 
 
-def lower_is_better(task: dict, metric: str) -> bool:
+def lower_is_better(task_type: str, names: list[str], metric: str) -> bool:
     """Losses, errors and waiting improve downwards; accuracies, rows and throughput upwards."""
-    return epoch_metrics(task)[metric].lower_is_better
+    return epoch_metrics(task_type, names)[metric].lower_is_better

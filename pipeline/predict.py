@@ -185,12 +185,13 @@ def run(cfg: dict, job) -> dict:
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
     weights, statistics = load_weights(client, model_run, predict["checkpoint"])
     layout = source.Layout.of(src)
-    split = source.check_split("predict.source", predict["source"], layout.inputs, src["s3"])
+    place = locate(predict["source"], src["s3"], "predict.source")
+    split = source.check_split("predict.source", predict["source"], *place, layout.inputs)
     split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
     label = layout.label if layout.label in split.columns else None
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
-    cluster.connect(cfg["ray"], cfg["scaling"])
+    cluster.connect(cluster.runtime(cfg["ray"], cfg["scaling"]))
     cluster.check_shared(
         cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
     )

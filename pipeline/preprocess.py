@@ -25,8 +25,9 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 from hydra.utils import instantiate
+from ray.exceptions import RayError
 
-from pipeline import cache, source
+from pipeline import cache, source, workarounds
 from pipeline.config import PipelineError
 from transforms.tabular import stack_features
 
@@ -58,6 +59,13 @@ class TrainingData:
     plan: CachePlan | None = None
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
 
+    def __enter__(self) -> TrainingData:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """The job is over: its epoch counter goes (the datasets' tasks end with their job)."""
+        ray.kill(self.epoch_counter)
+
 
 @dataclass
 class CachePlan:
@@ -88,7 +96,9 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
     """Each split read lazily with its transforms chained on (the training split shuffled, with
     ``ingest.shuffle``). With the cache on (``plan``, else decided here), each split's steps that run
     once are submitted now, as Ray tasks, and training reads their output as it comes; only
-    ``ingest.standardize`` waits, for its pass over the training split."""
+    ``ingest.standardize`` waits, for its pass over the training split: a transform that fails there
+    fails the job here, in one line naming the cause. Use it as a context manager: leaving the ``with``
+    block ends the epoch counter."""
     src, counter, ingest = cfg["source"], EpochCounter.remote(), cfg["ingest"]
     layout = splits["train"].layout
     columns = [layout.model_input, layout.label]
@@ -105,8 +115,13 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
             else:
                 datasets[name] = dataset(split, steps, columns, src, counter, shuffle)
         statistics = feature_statistics(datasets["train"], columns[0]) if ingest["standardize"] else None
-    except BaseException:
+    except BaseException as err:
         ray.kill(counter)
+        if isinstance(err, RayError):
+            raise PipelineError(
+                f"preprocessing failed: {workarounds.root_cause(err)} (full tracebacks: Ray's session logs, "
+                "/tmp/ray/session_latest/logs on the head node)."
+            ) from err
         raise
     rows = {name: split.rows for name, split in splits.items()}
     return TrainingData(datasets, rows, counter, statistics, plan, caches)

@@ -1,5 +1,5 @@
 """One training job, start to end, on the driver: checks -> tracker -> datasets -> fit -> model logged,
-built with :mod:`pipeline.build` (as a Tune trial builds its own).
+built as :mod:`pipeline.build` says (as a Tune trial builds its own).
 
 Every check that can fail on the user's input runs before the job's MLflow run is created (those
 that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from ray.exceptions import RayError
 
-from pipeline import build, console, events, preflight, preprocess, tracking, trainer
+from pipeline import console, events, filesystems, preflight, preprocess, tracking, trainer
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.tracking import Tracker
@@ -40,11 +40,11 @@ def run(cfg: dict, job: Job) -> dict:
     tracker = Tracker.open(cfg, job)
     log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
     # the run ends FINISHED, or FAILED / KILLED with the error
-    with resume_hint(tracker), tracker, build.datasets(cfg, splits, plan) as data:
+    with resume_hint(tracker), tracker, preprocess.training_data(cfg, splits, plan) as data:
         tracker.log_data(splits, data.statistics)
         reporter = report_cache(data, tracker)
-        tracker.expected_rows = expected_rows(cfg, data.rows)
-        storage = trainer.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
+        tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
+        storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
         tracker.set_storage(storage.uri)
         steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
         progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
@@ -99,12 +99,12 @@ def resume_hint(tracker: Tracker) -> Iterator[None]:
         raise
 
 
-def expected_rows(cfg: dict, rows: dict[str, int]) -> dict[str, int]:
+def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> dict[str, int]:
     """Rows each epoch must deliver, by metric, beyond what sharding drops by design: Ray Train's equal
     split drops up to N-1 rows per split, and ``drop_last`` the partial training batches (then only
     validation is counted). Fewer means a transform skipped rows."""
-    dropped = cfg["scaling"]["num_workers"] - 1
+    dropped = num_workers - 1
     expected = {"val_rows": rows["valid"] - dropped}
-    if not cfg["ingest"]["drop_last"]:
+    if not drop_last:
         expected["train_rows"] = rows["train"] - dropped
     return expected

@@ -114,12 +114,13 @@ def _missing(key: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineErro
     )
 
 
-def check_split(key: str, uri: str, columns: list[str], s3: dict, num_classes: int | None = None) -> Split:
-    """Find the files ``uri`` names and count their rows from the footers, or fail naming the config key
-    (``source.train``), the path, file or column. With ``num_classes``, the last of ``columns`` holds
-    class labels, which must lie in ``[0, num_classes)`` (checked from the footers' statistics where
-    the files have them, else by reading that one column)."""
-    fs, path = locate(uri, s3, key)
+def check_split(
+    key: str, uri: str, fs: pafs.FileSystem, path: str, columns: list[str], num_classes: int | None = None
+) -> Split:
+    """Find the files ``uri`` names (``path`` on ``fs``, from :func:`pipeline.filesystems.locate`) and count
+    their rows from the footers, or fail naming the config key (``source.train``), the path, file or column.
+    With ``num_classes``, the last of ``columns`` holds class labels, which must lie in ``[0, num_classes)``
+    (checked from the footers' statistics where the files have them, else by reading that one column)."""
     try:
         files = parquet_files(fs, path)
         if not files:
@@ -178,18 +179,17 @@ def prepare(source: dict) -> dict[str, Split]:
     Row counts come back already capped by ``source.limit``, each split with its :class:`Layout`.
     """
     layout = Layout.of(source)
+    places = {split: locate(source[split], source["s3"], f"source.{split}") for split in SPLITS}
     downloadable = source["download"] is not None and not any(is_s3(source[s]) for s in SPLITS)
-    if downloadable and not all(parquet_files(*locate(source[s], source["s3"], f"source.{s}")) for s in SPLITS):
+    if downloadable and not all(parquet_files(*place) for place in places.values()):
         from hydra.utils import instantiate
 
         check_target(source["download"], "source.download", runtime_args=("root",))
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
+    columns, num_classes = [*layout.inputs, layout.label], source["num_classes"]
     checked = {
-        split: check_split(
-            f"source.{split}", source[split], [*layout.inputs, layout.label], source["s3"], source["num_classes"]
-        )
-        for split in SPLITS
+        split: check_split(f"source.{split}", source[split], *places[split], columns, num_classes) for split in SPLITS
     }
     limit = source["limit"]
     for split in checked.values():

@@ -93,7 +93,7 @@ class SweepSummary(Callback):
             log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, store.name, store.uri)
             sys.exit(1)
         client, parent = store.client, store.sweep_parent(sweep_dir)
-        better = -1 if lower_is_better(OmegaConf.to_container(config.task), metric) else 1
+        better = -1 if lower_is_better(config.task.type, list(config.task.metrics), metric) else 1
         jobs, best = summarize(client, store.experiment_id, parent, metric, better)
         failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
         if best is not None:

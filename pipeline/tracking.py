@@ -383,8 +383,9 @@ class Tracker:
 
     def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: dict):
         self.client, self.uri, self.run_id = store.client, store.uri, run_id
-        self.metrics = list(epoch_metrics(cfg["task"]))  # what each epoch reports
-        self.curve_metric = first_task_metric(cfg["task"])  # drawn beside the losses
+        task = cfg["task"]
+        self.metrics = list(epoch_metrics(task["type"], task["metrics"]))  # what each epoch reports
+        self.curve_metric = first_task_metric(task["metrics"])  # drawn beside the losses
         self.settings = cfg["tracking"]
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here

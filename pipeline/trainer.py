@@ -7,10 +7,6 @@ reach the driver through :mod:`pipeline.events`. Ray's own quirks are handled in
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import pyarrow.fs as pafs
 import ray
 import ray.data
 import ray.train
@@ -19,34 +15,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
 
 from pipeline.events import EventHandler, ReportRelay, relayed
-from pipeline.filesystems import is_s3, locate
+from pipeline.filesystems import RunStorage
 from pipeline.metrics import lower_is_better
 from pipeline.preprocess import TrainingData
 from pipeline.workarounds import explain, fit_off_main_thread
 from pipeline.worker import train_loop_per_worker
-
-
-@dataclass
-class RunStorage:
-    """Where Ray Train keeps a run's checkpoints: ``path``/``name`` on ``filesystem``, shown as ``uri``."""
-
-    path: str
-    name: str
-    filesystem: pafs.FileSystem
-    uri: str
-
-
-def run_storage(storage: dict, run_dir: str, run_id: str, resume_from: str | None = None) -> RunStorage:
-    """Each run's checkpoints live under its MLflow run id, in ``storage.path`` (a shared path or
-    ``s3://`` URI) or else the job's output directory (``<run_dir>/checkpoints``). Ray Train restores
-    from whatever it finds there, so a fresh run, with a fresh id, never resumes by accident; a
-    resumed run passes the place its first attempt recorded (``resume_from``)."""
-    if resume_from is not None:
-        parent, name = resume_from.rsplit("/", 1)
-    else:
-        parent, name = (storage["path"] or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
-    fs, path = locate(parent, storage["s3"], "storage.path")
-    return RunStorage(path, name, fs, f"{parent if is_s3(parent) else path}/{name}")
 
 
 def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
@@ -115,7 +88,7 @@ def checkpoint_mode(train: dict, task: dict) -> str:
     if train["checkpoint_mode"] is not None:
         return train["checkpoint_mode"]
     metric = train["checkpoint_metric"]
-    return "min" if metric is not None and lower_is_better(task, metric) else "max"
+    return "min" if metric is not None and lower_is_better(task["type"], task["metrics"], metric) else "max"
 
 
 def epoch_steps(cfg: dict, data: TrainingData) -> int:

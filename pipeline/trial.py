@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from pipeline import build, events, messages, trainer
+from pipeline import build, events, filesystems, messages, preprocess, trainer
 
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
 
@@ -38,9 +38,9 @@ def trial_dir(sweep_dir: str, trial_id: str) -> str:
 def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> None:
     """Tune's trainable: the trial's job built as a run builds its own (:mod:`pipeline.build`), then trained."""
     cfg = trial_config(bases, params)
-    with build.datasets(cfg, build.sources(cfg)) as data:
+    with preprocess.training_data(cfg, build.sources(cfg)) as data:
         trial_id = tune.get_context().get_trial_id()
-        storage = trainer.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
+        storage = filesystems.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
         trainer.fit(cfg, data, storage, TrialEvents(), callbacks=(TuneReportCallback(),))
 
 

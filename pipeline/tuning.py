@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import build, console, preflight, tracking, trainer, workarounds
+from pipeline import build, console, filesystems, preflight, tracking, workarounds
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.metrics import lower_is_better
@@ -102,7 +102,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
             param_space=space,
             tune_config=tune.TuneConfig(
                 metric=metric,
-                mode="min" if lower_is_better(first["task"], metric) else "max",
+                mode="min" if lower_is_better(first["task"]["type"], first["task"]["metrics"], metric) else "max",
                 search_alg=search_alg,
                 scheduler=hydra.utils.instantiate(settings.scheduler) if settings.scheduler else None,
                 num_samples=settings.num_samples,
@@ -192,7 +192,7 @@ class OpenTrial:
 
     tracker: tracking.Tracker
     cfg: dict
-    storage: trainer.RunStorage
+    storage: filesystems.RunStorage
 
 
 class TrialRecorder(tune.Callback):
@@ -215,7 +215,7 @@ class TrialRecorder(tune.Callback):
         cfg = trial_config(self.bases, params)
         store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
         tracker = self.reopen(store, cfg, trial_id) or self.open(store, cfg, trial_id, params)
-        storage = trainer.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
+        storage = filesystems.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
         tracker.set_storage(storage.uri)
         self.open_trials[trial_id] = OpenTrial(tracker, cfg, storage)
         log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))

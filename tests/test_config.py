@@ -12,7 +12,7 @@ from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.cluster import runtime_env
+from pipeline.cluster import Runtime, runtime, runtime_env
 from pipeline.config import CONF_DIR, PipelineConfig, PipelineError, TransformSpec, active_steps, validate
 from pipeline.predict import actor_options
 from pipeline.preflight import check_resources
@@ -254,9 +254,14 @@ def test_steps_per_epoch_follow_equal_shards(rows, workers, batch, drop_last, st
     assert steps_per_epoch(rows, workers, batch, drop_last) == steps
 
 
+def wanted(overrides: list[str]) -> Runtime:
+    cfg = compose_cfg(overrides)
+    return runtime(cfg["ray"], cfg["scaling"])
+
+
 def test_resources_that_fit_pass():
-    check_resources({"CPU": 2.0}, compose_cfg(["scaling=cpu"])["scaling"], transform_cpus=1)
-    check_resources({"CPU": 8.0, "GPU": 2.0}, compose_cfg(["scaling=gpu", "scaling.num_workers=2"])["scaling"], 1)
+    check_resources({"CPU": 2.0}, wanted(["scaling=cpu"]), transform_cpus=1)
+    check_resources({"CPU": 8.0, "GPU": 2.0}, wanted(["scaling=gpu", "scaling.num_workers=2"]), 1)
 
 
 @pytest.mark.parametrize(
@@ -270,4 +275,4 @@ def test_resources_that_fit_pass():
 )
 def test_resources_that_would_hang_fail_fast(available, overrides, message):
     with pytest.raises(PipelineError, match=message):
-        check_resources(available, compose_cfg(overrides)["scaling"], transform_cpus=1)
+        check_resources(available, wanted(overrides), transform_cpus=1)

@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from test_pipeline import run_cli
 
 from pipeline.config import PipelineError
-from pipeline.preflight import check_storage
+from pipeline.filesystems import make_dir
 from pipeline.source import prepare
 
 DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
@@ -186,7 +186,7 @@ def test_unreachable_endpoint_fails_within_its_timeouts(server):
 def test_storage_in_a_missing_bucket_fails_before_training(s3_endpoint):
     storage = compose_cfg([f"storage.s3.endpoint_url={s3_endpoint}"])["storage"]
     with pytest.raises(PipelineError, match=r"storage.path: cannot read s3://nobucket/runs: the bucket does not exist"):
-        check_storage("s3://nobucket/runs", storage["s3"])
+        make_dir("s3://nobucket/runs", storage["s3"], "storage.path")
 
 
 @pytest.fixture(scope="module")

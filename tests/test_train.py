@@ -57,6 +57,6 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
     cfg = {"tracking": {"log_every_n_steps": 0}}
     metrics = train_epoch(replica, batches, cfg, 0, 0, None) | evaluate(replica, batches)
-    assert set(metrics) == set(epoch_metrics(task))
+    assert set(metrics) == set(epoch_metrics(task["type"], task["metrics"]))
     assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
     assert all(value == value for value in metrics.values())  # no NaN
