@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -169,6 +170,13 @@ def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path,
     assert len({label for _, label in first[:32]}) >= 6  # a class-sorted layout, yet a batch holds many classes
 
 
+def checked_split(path: Path, num_classes: int | None = None) -> source.Split:
+    """``path`` checked as ``source.train`` of image + label rows."""
+    return source.check_split(
+        "source.train", str(path), pafs.LocalFileSystem(), str(path), ["image", "label"], num_classes
+    )
+
+
 def labelled(path: Path, labels, statistics: bool = True) -> None:
     path.mkdir(parents=True, exist_ok=True)
     table = pa.table({"image": [b"x"] * len(labels), "label": labels})
@@ -179,18 +187,18 @@ def labelled(path: Path, labels, statistics: bool = True) -> None:
 def test_a_label_outside_the_classes_fails_before_training_naming_file_row_and_key(tmp_path, statistics):
     labelled(tmp_path / "train", [0, 1, 2, 9, 10, 3], statistics)
     with pytest.raises(PipelineError) as error:
-        source.check_split("source.train", str(tmp_path / "train"), ["image", "label"], {}, num_classes=10)
+        checked_split(tmp_path / "train", num_classes=10)
     message = str(error.value)
     assert "part-00000.parquet row 4 has label 10" in message and "outside [0, 10)" in message
     assert "source.num_classes" in message
     labelled(tmp_path / "ok", [0, 9, 3], statistics)
-    assert source.check_split("source.train", str(tmp_path / "ok"), ["image", "label"], {}, num_classes=10).rows == 3
+    assert checked_split(tmp_path / "ok", num_classes=10).rows == 3
 
 
 def test_float_labels_for_classification_fail_naming_the_regression_task(tmp_path):
     labelled(tmp_path / "train", [0.5, 1.5])
     with pytest.raises(PipelineError, match="not integer class labels.*task=regression"):
-        source.check_split("source.train", str(tmp_path / "train"), ["image", "label"], {}, num_classes=2)
+        checked_split(tmp_path / "train", num_classes=2)
 
 
 def test_task_metrics_match_their_definitions():
@@ -229,7 +237,7 @@ def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
     digests = []
     for name, labels in (("a", [0, 1]), ("b", [0, 1, 1])):
         labelled(tmp_path / name / "train", labels)
-        split = source.check_split("source.train", str(tmp_path / name / "train"), ["image", "label"], {})
+        split = checked_split(tmp_path / name / "train")
         run_id = client.create_run(experiment).info.run_id
         tracking.log_data(client, run_id, {"train": split}, None)
         (logged,) = client.get_run(run_id).inputs.dataset_inputs
