@@ -8,14 +8,16 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
-from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from pipeline.config import PipelineError
+
+if TYPE_CHECKING:  # not at run time: Ray Data's tasks import this module (through preprocess), and torch's
+    from ray.train.torch import TorchTrainer  # import would delay each new task process by seconds
 
 
 def local_runtime_settings() -> None:

@@ -446,3 +446,16 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
     assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
     executed = [line.split(" ", 2)[2] for line in ds.stats().splitlines() if line.startswith("Operator ")]
     assert len(executed) == len(operators) and all(e.startswith(o) for e, o in zip(executed, operators)), executed
+
+
+def test_the_modules_ray_tasks_import_leave_torch_and_mlflow_out():
+    """A new Ray task or actor process imports these to unpickle what it runs (Ray Data's steps and cache
+    pieces, the epoch counter, the event queue, the report relay); torch or MLflow among their imports
+    would delay every such process by seconds: a run's start-up and its first epoch's data wait."""
+    import subprocess
+    import sys
+
+    modules = "pipeline.preprocess, pipeline.cache, pipeline.messages, pipeline.events, transforms"
+    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
