@@ -80,6 +80,15 @@ class TransformsConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Stop training once ``metric`` has gone ``patience`` epochs without improving by more than ``min_delta``."""
+
+    patience: Optional[int] = None  # epochs without improvement before stopping; null: never stop early
+    metric: Optional[str] = None  # any metric an epoch reports (val_loss, val_accuracy, ...); null: optimized_metric
+    min_delta: float = 0.0  # smaller improvements do not count
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 1
     seed: int = 0
@@ -90,6 +99,12 @@ class TrainConfig:
     checkpoint_mode: Optional[str] = None  # max or min of checkpoint_metric; null: min for losses and errors
     max_failures: int = 0  # worker-group restarts from the latest checkpoint before the run fails; -1: no limit
     resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
+    grad_clip: Optional[float] = None  # clip the gradients' global L2 norm to this before each step; null: no clip
+    accumulate: int = 1  # batches per optimizer step (gradient accumulation: DDP all-reduces only on the last)
+    # a loss or gradient that is NaN or inf: raise (the run fails, naming the epoch and step) or skip (that
+    # optimizer step is not taken; counted per epoch as skipped_steps)
+    on_nonfinite: str = "raise"
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
 
 @dataclass
@@ -403,6 +418,25 @@ def check_values(cfg: dict) -> None:
         train["checkpoint_mode"] in (None, "max", "min"),
         f"train.checkpoint_mode must be max, min or null, got {train['checkpoint_mode']!r}.",
     )
+    _require(train["accumulate"] >= 1, f"train.accumulate must be >= 1, got {train['accumulate']}.")
+    _require(
+        train["grad_clip"] is None or train["grad_clip"] > 0,
+        f"train.grad_clip must be > 0 or null, got {train['grad_clip']}.",
+    )
+    _require(
+        train["on_nonfinite"] in ("raise", "skip"),
+        f"train.on_nonfinite must be raise or skip, got {train['on_nonfinite']!r}.",
+    )
+    stop = train["early_stop"]
+    _require(
+        stop["patience"] is None or stop["patience"] >= 1,
+        f"train.early_stop.patience must be >= 1 or null, got {stop['patience']}.",
+    )
+    _require(
+        stop["metric"] in (None, *metrics),
+        f"train.early_stop.metric must be null or one of {', '.join(metrics)}, got {stop['metric']!r}.",
+    )
+    _require(stop["min_delta"] >= 0, f"train.early_stop.min_delta must be >= 0, got {stop['min_delta']}.")
     _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
     _require(
         not train["resume"] or cfg["tracking"]["run_name"],

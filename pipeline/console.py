@@ -34,7 +34,10 @@ def format_metrics(epoch: int, epochs: int, metrics: dict, wait_limit: float) ->
     return (
         f"epoch {epoch + 1}/{epochs}  train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
         f"{task}train_throughput {metrics['train_throughput']:,.0f} samples/s  "
-        f"data_wait {metrics['data_wait_fraction']:.0%}" + (f"\n  {note}" if note else "")
+        f"data_wait {metrics['data_wait_fraction']:.0%}"
+        + (f"  skipped_steps {metrics['skipped_steps']}" if metrics["skipped_steps"] else "")
+        + (f"\n  {note}" if note else "")
+        + (f"\n  stopping early: {metrics['stopped_early']}" if "stopped_early" in metrics else "")
     )
 
 

@@ -11,6 +11,7 @@ Train's controller.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from contextlib import contextmanager, suppress
@@ -92,10 +93,22 @@ class Handler:
 
 
 def checked_ranks(report: EpochReported) -> list[dict]:
-    """A report's per-rank metrics in rank order, checked to agree."""
+    """A report's per-rank metrics in rank order, checked to be numbers and to agree."""
     ranks = sorted(report.ranks, key=lambda r: r["rank"])
+    check_finite(ranks[0])
     check_ranks_agree(ranks)
     return ranks
+
+
+def check_finite(metrics: dict) -> None:
+    """An epoch whose metrics hold NaN or inf fails the run, before they reach MLflow."""
+    bad = {key: value for key, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)}
+    if bad:
+        raise PipelineError(
+            f"{', '.join(f'{key} {value}' for key, value in bad.items())} after epoch {metrics['epoch'] + 1}: the "
+            "model's outputs are not finite numbers (its weights, or the rows' features, hold NaN or inf). Check "
+            "the features for NaN/inf, lower optim.lr or clip the gradients with train.grad_clip."
+        )
 
 
 def check_ranks_agree(ranks: list[dict]) -> None:

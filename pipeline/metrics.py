@@ -55,6 +55,7 @@ COUNTERS = {
     "train_rows": Metric(lower_is_better=False),
     "val_rows": Metric(lower_is_better=False),
     "data_wait_fraction": Metric(lower_is_better=True),
+    "skipped_steps": Metric(lower_is_better=True),  # optimizer steps not taken for NaN/inf (train.on_nonfinite)
 }
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {

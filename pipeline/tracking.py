@@ -44,7 +44,7 @@ MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
 SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
-STOPPED_TAG = "pipeline.stopped_early"  # a Tune sweep's trial that its scheduler stopped: when, and by what
+STOPPED_TAG = "pipeline.stopped_early"  # a run that train.early_stop or a Tune scheduler stopped: when, and why
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
@@ -391,6 +391,7 @@ class Tracker:
         self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(store.client, run_id)  # a resumed run holds its first epochs already
         self.last: dict | None = None  # the latest epoch's metrics
+        self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
         self.expected_rows: dict[str, int] = {}
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
@@ -444,6 +445,9 @@ class Tracker:
         note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
         if note is not None:
             self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
+        if "stopped_early" in metrics:  # train.early_stop ended training after this epoch
+            self.stopped_early = f"after epoch {epoch + 1} by train.early_stop: {metrics['stopped_early']}"
+            self.client.set_tag(self.run_id, STOPPED_TAG, self.stopped_early)
         skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
         if skipped:
             self.client.log_metric(self.run_id, "skipped_rows", skipped, step=epoch)

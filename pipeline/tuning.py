@@ -267,7 +267,7 @@ class TrialRecorder(tune.Callback):
         if done == 0:
             tracker.end("FAILED", PipelineError("the trial ended without reporting an epoch."))
             return
-        if done < epochs:
+        if done < epochs and tracker.stopped_early is None:  # stopped by the scheduler, not by itself
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
             tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)

@@ -8,7 +8,9 @@ checkpoint once per epoch. What the driver does meanwhile is in :mod:`pipeline.t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import os
 import tempfile
 import time
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
-from pipeline.metrics import LOSSES
+from pipeline.metrics import LOSSES, lower_is_better
 from pipeline.source import Layout
 from pipeline.task import Task
 
@@ -50,9 +52,13 @@ def train_loop_per_worker(config: dict) -> None:
     statistics = config["statistics"]  # the features' mean and std, with ingest.standardize
     first = train_batches(cfg, start, epoch_counter, statistics, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
-    replica = Replica.build(cfg, device, epochs * config["steps_per_epoch"], statistics)
+    updates = -(-config["steps_per_epoch"] // cfg["train"]["accumulate"])  # optimizer steps per epoch
+    replica = Replica.build(cfg, device, epochs * updates, statistics)
+    stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
     if state is not None:
         replica.load_state_dict(state)
+        if stopper is not None:
+            stopper.best, stopper.best_epoch = state.get("early_stop", (None, -1))
         if rank == 0:  # the driver counts every restore
             events.put(CheckpointRestored(start))
     progress = events.put if rank == 0 else None
@@ -63,16 +69,21 @@ def train_loop_per_worker(config: dict) -> None:
             if epoch == start
             else train_batches(cfg, epoch, epoch_counter, statistics, device, world_size)
         )
-        metrics = train_epoch(replica, batches, cfg, epoch * config["steps_per_epoch"], epoch, progress)
+        metrics = train_epoch(replica, batches, cfg, epoch, config["steps_per_epoch"], progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
         metrics |= evaluate(replica, valid)
+        # every rank holds the same all-reduced metrics, so every rank decides alike
+        stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
         metrics |= {
             "epoch": epoch,
             "rank": rank,
             "weights_sha256": weights_digest(replica.module),
             **where_this_runs(rank),
+            **({"stopped_early": stopped} if stopped else {}),
         }
-        report(metrics, replica, epoch, rank)
+        report(metrics, replica.state_dict(epoch, stopper) if rank == 0 else None)  # rank 0 saves for all
+        if stopped:
+            break
 
 
 @dataclass
@@ -87,6 +98,8 @@ class Replica:
     task: Task  # the loss and metrics
     statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
     layout: Layout  # which column of a batch is the model's input, which its label
+    grad_clip: float | None  # train.grad_clip
+    on_nonfinite: str  # train.on_nonfinite: raise or skip
 
     @classmethod
     def build(cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None) -> Replica:
@@ -98,23 +111,46 @@ class Replica:
         if cfg["scheduler"] is not None:
             scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
         autocast, scaler = autocast_settings(device, cfg["train"])
-        layout = Layout.of(cfg["source"])
-        return cls(model, optimizer, scheduler, scaler, autocast, Task(cfg["task"]), statistics, layout)
+        layout, recipe = Layout.of(cfg["source"]), (cfg["train"]["grad_clip"], cfg["train"]["on_nonfinite"])
+        task = Task(cfg["task"])
+        return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, layout, *recipe)
 
     @property
     def module(self) -> torch.nn.Module:
         """The bare model, without DDP's wrapper: for evaluation and checkpoints."""
         return getattr(self.model, "module", self.model)
 
-    def step(self, loss: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.scheduler is not None:
-            self.scheduler.step()
+    def backward(self, loss: torch.Tensor, accumulate: int, update: bool) -> None:
+        """Add this batch's share of the gradients. DDP all-reduces them in backward; a batch that only
+        accumulates skips that (``no_sync``), so accumulation costs no extra communication."""
+        syncing = update or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        with contextlib.nullcontext() if syncing else self.model.no_sync():
+            self.scaler.scale(loss / accumulate).backward()
 
-    def state_dict(self, epoch: int) -> dict:
+    def step(self, epoch: int, batch: int, loss: torch.Tensor) -> bool:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``.
+        A NaN or inf gradient (after DDP's all-reduce: the same on every rank) raises, or with
+        ``train.on_nonfinite=skip`` the step is not taken (False)."""
+        self.scaler.unscale_(self.optimizer)  # the true gradients (a no-op without float16's GradScaler)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        taken = self.scaler.is_enabled() or bool(torch.isfinite(norm))  # the GradScaler skips overflows itself
+        if not taken and self.on_nonfinite == "raise":
+            lr = self.optimizer.param_groups[0]["lr"]
+            raise FloatingPointError(
+                f"the gradients became {norm.item()} at epoch {epoch + 1}, batch {batch} (its loss: "
+                f"{loss.item():.4g}): training diverged, most often from a learning rate too high for the "
+                f"model (this step's: {lr:g}). Lower optim.lr, clip the gradients with train.grad_clip, or skip "
+                "such steps with train.on_nonfinite=skip."
+            )
+        if taken:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return taken
+
+    def state_dict(self, epoch: int, stopper: EarlyStopping | None = None) -> dict:
         state = {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -125,6 +161,8 @@ class Replica:
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        if stopper is not None:
+            state["early_stop"] = (stopper.best, stopper.best_epoch)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -136,34 +174,49 @@ class Replica:
         torch.set_rng_state(state["torch_rng"])
 
 
-def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, steps_before: int, epoch: int, progress) -> dict:
-    """One pass over the worker's training shard; loss, rows, throughput and data wait over all workers.
-    ``progress`` (rank 0) gets the step and batch loss once a second, and every
-    ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step)."""
+def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, steps: int, progress) -> dict:
+    """One pass over the worker's training shard (``steps`` batches); loss, rows, throughput, data wait and
+    skipped steps over all workers. ``progress`` (rank 0) gets the step and batch loss once a second, and
+    every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
+
+    The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
+    fewer batches than ``steps`` (rows skipped by a transform), what they accumulated after the last step
+    is dropped with the next epoch's first ``zero_grad``."""
     features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
+    replica.optimizer.zero_grad(set_to_none=True)
     device = next(replica.model.parameters()).device
     # Sums stay on the device: a .item() per step would stall a GPU on every batch.
-    loss_sum, seen, last_sent = torch.zeros((), dtype=torch.float64, device=device), 0, float("-inf")
-    clock, log_every = WaitClock(), cfg["tracking"]["log_every_n_steps"]
+    loss_sum, loss_rows = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), device=device)
+    seen, last_sent = 0, float("-inf")
+    clock, log_every, accumulate = WaitClock(), cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"]
+    skipped = 0
     for step, batch in enumerate(clock.wrap(batches), start=1):
+        update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
         with replica.autocast:
             loss = replica.task.loss(replica.model(batch[features]), batch[labels])
-        replica.step(loss)
-        loss_sum += loss.detach().double() * len(batch[labels])
-        seen += len(batch[labels])
+        replica.backward(loss, accumulate, update)
+        if update:
+            skipped += not replica.step(epoch, step, loss)
+        rows, finite = len(batch[labels]), torch.isfinite(loss.detach())  # a skipped step's NaN stays out
+        loss_sum += torch.where(finite, loss.detach().double() * rows, 0.0)
+        loss_rows += finite * rows
+        seen += rows
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely
-            progress(StepTaken(epoch, step, steps_before + step, log, loss.item(), time.time()))
+            progress(StepTaken(epoch, step, epoch * steps + step, log, loss.item(), time.time()))
             last_sent = time.monotonic()
     elapsed = clock.elapsed()
-    total_loss, total_seen, waited, ran = sum_over_workers([loss_sum.item(), seen, clock.waited, elapsed], device)
+    total_loss, loss_rows, total_seen, waited, ran = sum_over_workers(
+        [loss_sum.item(), loss_rows.item(), seen, clock.waited, elapsed], device
+    )
     return {
-        "train_loss": LOSSES["train_loss"].value(total_loss, total_seen),
+        "train_loss": LOSSES["train_loss"].value(total_loss, loss_rows),
         "train_throughput": total_seen / elapsed,
         "train_rows": int(total_seen),
         "data_wait_fraction": waited / max(ran, 1e-9),
+        "skipped_steps": skipped,  # the same on every rank: they all see the all-reduced gradients
     }
 
 
@@ -189,14 +242,47 @@ def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
     return values | {"val_rows": int(count)}
 
 
-def report(metrics: dict, replica: Replica, epoch: int, rank: int) -> None:
-    """``ray.train.report`` (a barrier: every rank calls it once per epoch), with rank 0's checkpoint."""
+def report(metrics: dict, state: dict | None) -> None:
+    """``ray.train.report`` (a barrier: every rank calls it once per epoch), with ``state`` (rank 0's) as checkpoint."""
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
-        if rank == 0:
-            torch.save(replica.state_dict(epoch), os.path.join(tmp, CHECKPOINT_FILE))
+        if state is not None:
+            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=checkpoint)
+
+
+@dataclass
+class EarlyStopping:
+    """``train.early_stop``: stop once ``metric`` has gone ``patience`` epochs without improving on its
+    best by more than ``min_delta``. Its record (best value and epoch) is kept in each checkpoint."""
+
+    metric: str
+    patience: int
+    min_delta: float
+    lower_is_better: bool
+    best: float | None = None
+    best_epoch: int = -1
+
+    @classmethod
+    def of(cls, cfg: dict) -> EarlyStopping | None:
+        stop, task = cfg["train"]["early_stop"], cfg["task"]
+        if stop["patience"] is None:
+            return None
+        metric = stop["metric"] or cfg["optimized_metric"]
+        return cls(metric, stop["patience"], stop["min_delta"], lower_is_better(task["type"], task["metrics"], metric))
+
+    def update(self, value: float, epoch: int) -> str | None:
+        """Take an epoch's value; why training stops, once patience has run out."""
+        gain = (self.best - value if self.lower_is_better else value - self.best) if self.best is not None else math.inf
+        if gain > self.min_delta:
+            self.best, self.best_epoch = value, epoch
+        elif epoch - self.best_epoch >= self.patience:
+            return (
+                f"{self.metric} did not improve by more than {self.min_delta:g} for {self.patience} epoch(s) "
+                f"(best {self.best:.4g} after epoch {self.best_epoch + 1})"
+            )
+        return None
 
 
 def restored_state(device: torch.device) -> dict | None:

@@ -165,6 +165,11 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["train.epochs=0"], r"train.epochs must be >= 1"),
         (["source.limit=0"], r"source.limit must be >= 1"),
         (["train.amp_dtype=float8"], r"train.amp_dtype"),
+        (["train.accumulate=0"], r"train.accumulate must be >= 1, got 0"),
+        (["train.grad_clip=0"], r"train.grad_clip must be > 0 or null"),
+        (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be raise or skip, got 'ignore'"),
+        (["train.early_stop.patience=0"], r"train.early_stop.patience must be >= 1 or null"),
+        (["train.early_stop.metric=val_mae"], r"train.early_stop.metric must be null or one of train_loss, val_loss"),
     ],
 )
 def test_validation_names_the_bad_key(overrides, message):

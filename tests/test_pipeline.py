@@ -147,15 +147,30 @@ def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
 
 @pytest.mark.slow
 def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, data_root, ray_runtime, monkeypatch):
-    """lr=0 keeps the seeded initial weights, so both world sizes evaluate identical models on identical rows."""
+    """lr=0 keeps the seeded initial weights, so both world sizes evaluate identical models on identical rows.
+    The two-worker run asks for 3 epochs with early stopping: val_accuracy cannot improve, so both ranks
+    stop after epoch 2, and the run ends FINISHED saying why, with its model."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     common = ["optim.lr=0.0", "ingest.batch_size=64", "source.limit=null"]
     one, _ = in_process(tmp_path, "one", [*common, "scaling.num_workers=1"])
-    two, run_dir = in_process(tmp_path, "two", [*common, "scaling.num_workers=2"])
+    stopping = ["train.epochs=3", "train.early_stop.patience=1"]
+    two, run_dir = in_process(tmp_path, "two", [*common, "scaling.num_workers=2", *stopping])
     assert one["val_accuracy"] == two["val_accuracy"]
     assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-6)
-    ranks = json.loads((run_dir / "metrics.jsonl").read_text())["ranks"]
+    reports = [json.loads(line)["ranks"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(reports) == 2  # epoch 2 of 3 was the last
+    ranks = reports[-1]
     assert len(ranks) == 2 and ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    assert ranks[0]["stopped_early"] == ranks[1]["stopped_early"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (stopped,) = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id], filter_string="tags.`pipeline.stopped_early` != ''"
+    )
+    assert stopped.info.status == "FINISHED" and stopped.data.tags["pipeline.stopped_early"] == (
+        "after epoch 2 by train.early_stop: val_accuracy did not improve by more than 0 for 1 epoch(s) "
+        f"(best {one['val_accuracy']:.4g} after epoch 1)"
+    )
+    assert "model" in {a.path for a in client.list_artifacts(stopped.info.run_id)}
     assert leftover_actors() == []  # both jobs shared the runtime and left no training actors behind
 
 
@@ -231,6 +246,26 @@ def test_a_failing_worker_marks_the_run_failed(tmp_path, ray_runtime, monkeypatc
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+@pytest.mark.slow
+def test_a_diverging_run_fails_naming_the_epoch_and_batch_and_logs_no_nan(
+    tmp_path, data_root, ray_runtime, monkeypatch
+):
+    """lr=1e9: the gradients become NaN or inf within the first epoch; the run fails there, naming the step and
+    what to change, and MLflow holds a FAILED run with no NaN metric and no model."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    with pytest.raises(
+        PipelineError,
+        match=r"training failed on rank\(s\) \[0\]: FloatingPointError: the gradients became (nan|inf) at epoch 1, "
+        r"batch \d+ .*Lower optim.lr, clip the gradients with train.grad_clip, or skip such steps",
+    ):
+        in_process(tmp_path, "diverging", ["optim.lr=1e9", "scaling.num_workers=1"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (failed,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert failed.info.status == "FAILED" and "FloatingPointError" in failed.data.tags["pipeline.error"]
+    assert all(value == value for value in failed.data.metrics.values())  # no NaN
+    assert "model" not in {a.path for a in client.list_artifacts(failed.info.run_id)}
 
 
 @pytest.mark.slow

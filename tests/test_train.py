@@ -1,4 +1,4 @@
-"""The training worker's helpers that need no Ray runtime."""
+"""The training worker's loop and helpers, without a Ray runtime (two DDP workers: two processes and gloo)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,39 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
+from conftest import free_port
 
 from pipeline.metrics import epoch_metrics
 from pipeline.source import Layout
 from pipeline.task import Task
-from pipeline.worker import Replica, autocast_settings, evaluate, prefetched, train_epoch
+from pipeline.worker import EarlyStopping, Replica, autocast_settings, evaluate, prefetched, train_epoch
+
+CLASSIFY = {"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": ["accuracy"]}
+
+
+def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):
+    """A worker's Replica around ``model`` as Replica.build makes it, minus Ray Train's prepare_model."""
+    autocast, scaler = autocast_settings(torch.device("cpu"), {"amp": False, "amp_dtype": "bfloat16"})
+    layout = Layout.of({"feature_column": "x", "label_column": "y"})
+    params = model.parameters()
+    return Replica(
+        model, optimizer(params, lr=lr), None, scaler, autocast, Task(task), None, layout, grad_clip, on_nonfinite
+    )
+
+
+def epoch_cfg(accumulate: int = 1) -> dict:
+    return {"tracking": {"log_every_n_steps": 0}, "train": {"accumulate": accumulate}}
+
+
+def weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def rows(count: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(count, 4, generator=generator), "y": torch.randint(0, 3, (count,), generator=generator)}
 
 
 def test_prefetched_asks_for_the_first_batch_before_anyone_iterates():
@@ -48,15 +76,104 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     the declared names, drops nothing and misses nothing (outside a process group: one worker)."""
     torch.manual_seed(0)
     outputs = 3 if task["type"] == "classification" else 1
-    model = torch.nn.Linear(4, outputs)
-    autocast, scaler = autocast_settings(torch.device("cpu"), {"amp": False, "amp_dtype": "bfloat16"})
-    layout = Layout.of({"feature_column": "x", "label_column": "y"})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    replica = Replica(model, optimizer, None, scaler, autocast, Task(task), None, layout)
+    replica = replica_of(torch.nn.Linear(4, outputs), task)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
-    cfg = {"tracking": {"log_every_n_steps": 0}}
-    metrics = train_epoch(replica, batches, cfg, 0, 0, None) | evaluate(replica, batches)
+    metrics = train_epoch(replica, batches, epoch_cfg(), 0, 3, None) | evaluate(replica, batches)
     assert set(metrics) == set(epoch_metrics(task["type"], task["metrics"]))
     assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
     assert all(value == value for value in metrics.values())  # no NaN
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_grad_clip_bounds_the_norm_of_the_gradient_a_step_applies(clip):
+    """Measured on the update itself: SGD with lr=1 moves the weights by exactly the gradient it applied."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    replica = replica_of(model, lr=1.0, grad_clip=clip)
+    batch = {"x": torch.randn(8, 4) * 100, "y": torch.randint(0, 3, (8,))}  # large inputs: a large gradient
+    before = weights(model)
+    train_epoch(replica, [batch], epoch_cfg(), 0, 1, None)
+    applied = (weights(model) - before).norm().item()
+    if clip is None:
+        assert applied > 10 * 0.5  # unclipped, far above the bound
+    else:
+        assert applied == pytest.approx(clip, rel=1e-4)
+
+
+def test_a_nan_gradient_fails_naming_epoch_and_batch_or_with_skip_is_left_out_and_counted():
+    torch.manual_seed(0)
+    good = [rows(8, seed) for seed in range(3)]
+    poisoned = {"x": good[0]["x"].clone(), "y": good[0]["y"]}
+    poisoned["x"][2, 1] = float("nan")
+    batches = [good[0], good[1], poisoned, good[2]]
+
+    with pytest.raises(FloatingPointError, match=r"the gradients became nan at epoch 2, batch 3 .*Lower optim.lr"):
+        train_epoch(replica_of(torch.nn.Linear(4, 3)), batches, epoch_cfg(), 1, 4, None)
+
+    torch.manual_seed(0)
+    skipping = replica_of(torch.nn.Linear(4, 3), on_nonfinite="skip")
+    metrics = train_epoch(skipping, batches, epoch_cfg(), 1, 4, None)
+    torch.manual_seed(0)
+    clean = replica_of(torch.nn.Linear(4, 3))
+    expected = train_epoch(clean, good, epoch_cfg(), 1, 3, None)
+    assert metrics["skipped_steps"] == 1 and metrics["train_rows"] == 32
+    assert torch.equal(weights(skipping.model), weights(clean.model))  # as if the batch had not been there
+    assert metrics["train_loss"] == pytest.approx(expected["train_loss"])  # its NaN loss left out
+
+
+def accumulated(rank: int, world: int, port: int, batch: int, accumulate: int, out: str) -> None:
+    """Two epochs of AdamW over this rank's 32 rows in batches of ``batch``; the weights saved to ``out``."""
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    replica = replica_of(model, optimizer=torch.optim.AdamW, lr=0.05)
+    shard = rows(32, seed=rank)
+    batches = [{key: value[i : i + batch] for key, value in shard.items()} for i in range(0, 32, batch)]
+    for epoch in range(2):
+        train_epoch(replica, batches, epoch_cfg(accumulate), epoch, len(batches), None)
+    torch.save(weights(replica.module), f"{out}.{rank}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulating_k_batches_steps_like_one_batch_k_times_larger(world, tmp_path):
+    """Batches of 4 accumulated 4 at a time end at the weights batches of 16 reach (DDP syncing only on the
+    fourth: ``no_sync``); stepping on every batch of 4 does not."""
+
+    def trained(batch: int, accumulate: int) -> list[torch.Tensor]:
+        out = str(tmp_path / f"{batch}x{accumulate}")
+        args = (world, free_port(), batch, accumulate, out)
+        if world == 1:
+            accumulated(0, *args)
+        else:
+            torch.multiprocessing.spawn(accumulated, args=args, nprocs=world)
+        return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world)]
+
+    large, small, each = trained(16, 1), trained(4, 4), trained(4, 1)
+    assert all(torch.equal(large[0], w) for w in large)  # the replicas agree
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(large, small))
+    assert not torch.allclose(large[0], each[0], atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("lower_is_better", "curve", "stop_after"),
+    [
+        (True, [1.0, 0.8, 0.795, 0.81, 0.7], 3),  # 0.795 improves by less than min_delta; patience ends at epoch 3
+        (False, [0.5, 0.6, 0.7, 0.705, 0.708, 0.9], 4),  # 0.7 best; 0.705 and 0.708 gain too little
+        (True, [1.0, 0.9, 0.8, 0.7], None),  # improving every epoch: never stops
+    ],
+)
+def test_early_stopping_stops_when_patience_runs_out_on_a_scripted_curve(lower_is_better, curve, stop_after):
+    stopper = EarlyStopping("val_metric", patience=2, min_delta=0.01, lower_is_better=lower_is_better)
+    reasons = [stopper.update(value, epoch) for epoch, value in enumerate(curve)]
+    stops = [epoch for epoch, reason in enumerate(reasons) if reason]
+    assert (stops[0] if stops else None) == stop_after
+    if stop_after is not None:
+        best = 1 if lower_is_better else 2
+        why = f"did not improve by more than 0.01 for 2 epoch(s) (best {curve[best]:.4g} after epoch {best + 1})"
+        assert reasons[stop_after] == f"val_metric {why}"
