@@ -122,20 +122,25 @@ def test_a_nan_gradient_fails_naming_epoch_and_batch_or_with_skip_is_left_out_an
     assert metrics["train_loss"] == pytest.approx(expected["train_loss"])  # its NaN loss left out
 
 
-def accumulated(rank: int, world: int, port: int, batch: int, accumulate: int, out: str) -> None:
-    """Two epochs of AdamW over this rank's 32 rows in batches of ``batch``; the weights saved to ``out``."""
+RUNS = ((16, 1), (4, 4), (4, 1))  # (batch size, batches per optimizer step)
+
+
+def accumulated(rank: int, world: int, port: int, out: str) -> None:
+    """For each of RUNS, two epochs of AdamW from the same seed over this rank's 32 rows; the weights
+    saved to ``out.<batch>x<accumulate>.<rank>``. One process per rank trains them all (a process starts in seconds)."""
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    replica = replica_of(model, optimizer=torch.optim.AdamW, lr=0.05)
     shard = rows(32, seed=rank)
-    batches = [{key: value[i : i + batch] for key, value in shard.items()} for i in range(0, 32, batch)]
-    for epoch in range(2):
-        train_epoch(replica, batches, epoch_cfg(accumulate), epoch, len(batches), None)
-    torch.save(weights(replica.module), f"{out}.{rank}")
+    for batch, accumulate in RUNS:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        if world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        replica = replica_of(model, optimizer=torch.optim.AdamW, lr=0.05)
+        batches = [{key: value[i : i + batch] for key, value in shard.items()} for i in range(0, 32, batch)]
+        for epoch in range(2):
+            train_epoch(replica, batches, epoch_cfg(accumulate), epoch, len(batches), None)
+        torch.save(weights(replica.module), f"{out}.{batch}x{accumulate}.{rank}")
     if world > 1:
         dist.destroy_process_group()
 
@@ -144,17 +149,15 @@ def accumulated(rank: int, world: int, port: int, batch: int, accumulate: int, o
 def test_accumulating_k_batches_steps_like_one_batch_k_times_larger(world, tmp_path):
     """Batches of 4 accumulated 4 at a time end at the weights batches of 16 reach (DDP syncing only on the
     fourth: ``no_sync``); stepping on every batch of 4 does not."""
-
-    def trained(batch: int, accumulate: int) -> list[torch.Tensor]:
-        out = str(tmp_path / f"{batch}x{accumulate}")
-        args = (world, free_port(), batch, accumulate, out)
-        if world == 1:
-            accumulated(0, *args)
-        else:
-            torch.multiprocessing.spawn(accumulated, args=args, nprocs=world)
-        return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world)]
-
-    large, small, each = trained(16, 1), trained(4, 4), trained(4, 1)
+    out = str(tmp_path / "weights")
+    if world == 1:
+        accumulated(0, world, 0, out)
+    else:
+        torch.multiprocessing.spawn(accumulated, args=(world, free_port(), out), nprocs=world)
+    large, small, each = (
+        [torch.load(f"{out}.{batch}x{accumulate}.{rank}", weights_only=True) for rank in range(world)]
+        for batch, accumulate in RUNS
+    )
     assert all(torch.equal(large[0], w) for w in large)  # the replicas agree
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(large, small))
     assert not torch.allclose(large[0], each[0], atol=1e-3)
