@@ -127,21 +127,17 @@ class Replica:
         with contextlib.nullcontext() if syncing else self.model.no_sync():
             self.scaler.scale(loss / accumulate).backward()
 
-    def step(self, epoch: int, batch: int, loss: torch.Tensor) -> bool:
-        """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``.
-        A NaN or inf gradient (after DDP's all-reduce: the same on every rank) raises, or with
-        ``train.on_nonfinite=skip`` the step is not taken (False)."""
+    def step(self) -> bool:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``. With
+        ``train.on_nonfinite=skip``, a NaN or inf gradient (after DDP's all-reduce: the same on every rank)
+        is not stepped on (False): that decision costs a device sync per step, so only skip mode makes it;
+        raise mode checks the losses once an epoch (:func:`train_epoch`)."""
         self.scaler.unscale_(self.optimizer)  # the true gradients (a no-op without float16's GradScaler)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
-        taken = self.scaler.is_enabled() or bool(torch.isfinite(norm))  # the GradScaler skips overflows itself
-        if not taken and self.on_nonfinite == "raise":
-            lr = self.optimizer.param_groups[0]["lr"]
-            raise FloatingPointError(
-                f"the gradients became {norm.item()} at epoch {epoch + 1}, batch {batch} (its loss: "
-                f"{loss.item():.4g}): training diverged, most often from a learning rate too high for the "
-                f"model (this step's: {lr:g}). Lower optim.lr, clip the gradients with train.grad_clip, or skip "
-                "such steps with train.on_nonfinite=skip."
-            )
+        skipping = self.on_nonfinite == "skip" and not self.scaler.is_enabled()  # the GradScaler skips overflows
+        norm = None
+        if self.grad_clip is not None or skipping:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        taken = not skipping or bool(torch.isfinite(norm))
         if taken:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -190,17 +186,18 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
     loss_sum, loss_rows = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), device=device)
     seen, last_sent = 0, float("-inf")
     clock, log_every, accumulate = WaitClock(), cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"]
-    skipped = 0
+    skipped, first_nonfinite = 0, torch.zeros((), dtype=torch.long, device=device)  # the batch, 0: none
     for step, batch in enumerate(clock.wrap(batches), start=1):
         update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
         with replica.autocast:
             loss = replica.task.loss(replica.model(batch[features]), batch[labels])
         replica.backward(loss, accumulate, update)
         if update:
-            skipped += not replica.step(epoch, step, loss)
+            skipped += not replica.step()
         rows, finite = len(batch[labels]), torch.isfinite(loss.detach())  # a skipped step's NaN stays out
         loss_sum += torch.where(finite, loss.detach().double() * rows, 0.0)
         loss_rows += finite * rows
+        first_nonfinite = torch.where((first_nonfinite == 0) & ~finite, step, first_nonfinite)
         seen += rows
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
@@ -208,6 +205,13 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
             progress(StepTaken(epoch, step, epoch * steps + step, log, loss.item(), time.time()))
             last_sent = time.monotonic()
     elapsed = clock.elapsed()
+    if replica.on_nonfinite == "raise" and first_nonfinite.item():
+        raise FloatingPointError(
+            f"the loss became NaN or inf at epoch {epoch + 1}, batch {first_nonfinite.item()}: training diverged, "
+            "most often from a learning rate too high for the model (the last step's: "
+            f"{replica.optimizer.param_groups[0]['lr']:g}). Lower optim.lr, clip the gradients with "
+            "train.grad_clip, or skip such steps with train.on_nonfinite=skip."
+        )
     total_loss, loss_rows, total_seen, waited, ran = sum_over_workers(
         [loss_sum.item(), loss_rows.item(), seen, clock.waited, elapsed], device
     )

@@ -108,7 +108,7 @@ def test_a_nan_gradient_fails_naming_epoch_and_batch_or_with_skip_is_left_out_an
     poisoned["x"][2, 1] = float("nan")
     batches = [good[0], good[1], poisoned, good[2]]
 
-    with pytest.raises(FloatingPointError, match=r"the gradients became nan at epoch 2, batch 3 .*Lower optim.lr"):
+    with pytest.raises(FloatingPointError, match=r"the loss became NaN or inf at epoch 2, batch 3: .*Lower optim.lr"):
         train_epoch(replica_of(torch.nn.Linear(4, 3)), batches, epoch_cfg(), 1, 4, None)
 
     torch.manual_seed(0)
