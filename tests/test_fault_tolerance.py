@@ -1,5 +1,6 @@
-"""Failures with real processes and signals: a killed training worker, Ctrl-C and SIGTERM on the
-command, and resuming an interrupted run into the same MLflow run."""
+"""Failures with real processes and signals: a killed training worker and SIGTERM on the command.
+(Ctrl-C on the command and resuming the interrupted run into the same MLflow run: the S3 run in
+test_s3.py, which is interrupted and resumed.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import DETERMINISTIC, compose_cfg, in_process
 from mlflow import MlflowClient
-from test_pipeline import cli_env, run_cli
+from test_pipeline import cli_env
 
 from pipeline.build import Job
 from pipeline.config import PipelineError, compose
@@ -116,33 +117,6 @@ def test_sigterm_ends_the_run_killed_with_a_loadable_checkpoint_and_no_processes
     checkpoints = sorted(Path(run_info.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt"))
     assert checkpoints and torch.load(checkpoints[-1], weights_only=True)["epoch"] >= 0
     assert_all_gone(started)
-
-
-@pytest.mark.slow
-def test_ctrl_c_then_resume_continues_the_same_run_and_matches_an_uninterrupted_one(
-    tmp_path, data_root, deterministic_run
-):
-    args = ["+experiment=smoke", *DETERMINISTIC, "tracking.run_name=long-run"]
-    output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGINT, args)
-    client, interrupted = the_run(tmp_path)
-    assert interrupted.info.status == "KILLED", output
-    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
-    assert_all_gone(started)
-    reported = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-    assert reported in (1, 2)  # Ctrl-C came during epoch 2 (or, at worst, right after it)
-
-    resumed = run_cli([*args, "train.resume=true", "hydra.run.dir=resumed"], tmp_path, data_root)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"continuing at epoch {reported + 1}/3" in resumed.stdout + resumed.stderr
-    client, final = the_run(tmp_path)  # the same MLflow run, not a new one
-    assert final.info.run_id == interrupted.info.run_id and final.info.status == "FINISHED"
-    assert_each_epoch_once(client, final.info.run_id, 3)
-    assert [m.step for m in client.get_metric_history(final.info.run_id, "restores")] == [reported]
-
-    # Deterministic on CPU: the interrupted-and-resumed run ends where an uninterrupted one does.
-    assert deterministic_run["train_loss"] == pytest.approx(final.data.metrics["train_loss"], abs=1e-6)
-    assert deterministic_run["val_loss"] == pytest.approx(final.data.metrics["val_loss"], abs=1e-6)
-    assert deterministic_run["val_accuracy"] == final.data.metrics["val_accuracy"]
 
 
 @pytest.mark.slow

@@ -299,7 +299,6 @@ def no_runs_logged(tmp_path: Path) -> bool:
         (["+experiment=nope"], "Could not find 'experiment/nope'"),
         (["+experiment=smoke", "train.epochs=abc"], "train.epochs"),
         (["+experiment=smoke", "train.epoch=2"], "train.epoch"),
-        (["+experiment=smoke", "+model.depth=3"], "model: torchvision.models.VisionTransformer does not accept"),
     ],
 )
 def test_bad_config_fails_before_anything_runs(tmp_path, data_root, args, message):
@@ -313,11 +312,31 @@ def test_bad_config_fails_before_anything_runs(tmp_path, data_root, args, messag
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["ray.address=127.0.0.1:{port}"], "ray.address: cannot reach a Ray cluster at '127.0.0.1:{port}'"),
+        (["+model.depth=3"], "model: torchvision.models.VisionTransformer does not accept"),
         (
             ["tracking.uri=http://127.0.0.1:{port}"],
             "tracking.uri: no MLflow tracking server answers at http://127.0.0.1",
         ),
+    ],
+)
+def test_checks_that_run_while_ray_starts_fail_before_anything_is_recorded(
+    tmp_path, data_root, ray_runtime, monkeypatch, overrides, message
+):
+    """The _target_ imports and the MLflow store are checked while Ray starts (here, on the running shared
+    runtime): a PipelineError, which the command prints as one paragraph with exit status 1 (the cases above
+    and below show that), and no run anywhere."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    port = free_port()  # nothing listens there
+    with pytest.raises(PipelineError) as error:
+        in_process(tmp_path, "run", [o.format(port=port) for o in overrides])
+    assert message in str(error.value)
+    assert no_runs_logged(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["ray.address=127.0.0.1:{port}"], "ray.address: cannot reach a Ray cluster at '127.0.0.1:{port}'"),
         (["transforms.valid.decode.fn.on_error=ignore"], "on_error must be one of 'raise', 'skip', got 'ignore'"),
     ],
 )

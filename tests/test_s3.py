@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 from conftest import AWS_SECRET, DETERMINISTIC, compose_cfg, free_port, wait_for_port
-from mlflow import MlflowClient
+from test_fault_tolerance import assert_all_gone, assert_each_epoch_once, interrupt_after_first_epoch, the_run
 from test_pipeline import run_cli
 
 from pipeline.config import PipelineError
@@ -72,32 +73,43 @@ def files_containing(root: Path, needle: bytes) -> list[str]:
 
 
 @pytest.mark.slow
-def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_they_belong(
+def test_an_s3_run_stopped_by_ctrl_c_resumes_into_the_same_run_and_matches_the_local_run(
     tmp_path, data_root, s3_endpoint, deterministic_run
 ):
-    remote = run_cli(
-        [
-            "+experiment=smoke",
-            *DETERMINISTIC,  # the same batches as the local run of the same config
-            "source=s3",
-            "source.root=s3://data/cifar10",
-            f"source.s3.endpoint_url={s3_endpoint}",
-            "source.s3.anonymous=false",
-            "source.s3.region=us-east-1",
-            "storage.path=s3://runs/checkpoints",
-            f"storage.s3.endpoint_url={s3_endpoint}",
-            "hydra.run.dir=run",
-        ],
-        tmp_path,
-        data_root,
-    )
-    output = remote.stdout + remote.stderr
-    assert remote.returncode == 0, output
-    ray_logs = Path("/tmp/ray/session_latest/logs").resolve()  # the CLI run's Ray session, the newest
+    """Data and checkpoints on S3; Ctrl-C during epoch 2 ends the command (the run KILLED, every process
+    gone, the command saying how to continue); the same command with train.resume=true continues the same
+    MLflow run from the checkpoint on S3 and ends where an uninterrupted run from local files does. The
+    AWS secret is nowhere: consoles, MLflow, run directories, either command's Ray logs."""
+    args = [
+        "+experiment=smoke",
+        *DETERMINISTIC,  # the same batches as the local run of the same config
+        "source=s3",
+        "source.root=s3://data/cifar10",
+        f"source.s3.endpoint_url={s3_endpoint}",
+        "source.s3.anonymous=false",
+        "source.s3.region=us-east-1",
+        "storage.path=s3://runs/checkpoints",
+        f"storage.s3.endpoint_url={s3_endpoint}",
+        "tracking.run_name=long-run",
+    ]
+    output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGINT, args)
+    ray_logs = [Path("/tmp/ray/session_latest/logs").resolve()]  # the command's Ray session, the newest
+    client, interrupted = the_run(tmp_path)
+    assert interrupted.info.status == "KILLED", output
+    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
+    assert_all_gone(started)
+    reported = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert reported in (1, 2)  # Ctrl-C came during epoch 2 (or, at worst, right after it)
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    assert run.info.status == "FINISHED"
+    resumed = run_cli([*args, "train.resume=true", "hydra.run.dir=resumed"], tmp_path, data_root)
+    output += resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    ray_logs.append(Path("/tmp/ray/session_latest/logs").resolve())
+    assert f"continuing at epoch {reported + 1}/3" in output
+    client, run = the_run(tmp_path)  # the same MLflow run, not a new one
+    assert run.info.run_id == interrupted.info.run_id and run.info.status == "FINISHED"
+    assert_each_epoch_once(client, run.info.run_id, 3)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "restores")] == [reported]
     assert run.data.params["source.train"] == "s3://data/cifar10/train"
     storage = f"s3://runs/checkpoints/{run.info.run_id}"
     assert run.data.tags["pipeline.storage"] == storage
@@ -109,22 +121,24 @@ def test_s3_run_matches_the_local_run_and_keeps_checkpoints_and_secrets_where_th
         for f in fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True))
         if f.path.endswith("/checkpoint.pt")
     ]
-    assert len(saved) == 3  # one an epoch
+    assert len(saved) == 3  # one an epoch, before and after the interruption
     with fs.open_input_file(sorted(saved)[-1]) as stream:
         checkpoint = torch.load(stream, weights_only=True)
     logged = torch.load(
         client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
     )
     assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing fell back to local storage
+    for run_dir in ("run", "resumed"):  # nothing fell back to local storage
+        assert not (tmp_path / run_dir / "checkpoints").exists()
 
-    # The secret the AWS SDK used is nowhere: console, MLflow store and artifacts, run dir, Ray's logs.
+    # The secret the AWS SDK used is nowhere: console, MLflow store and artifacts, run dirs, Ray's logs.
     secret = AWS_SECRET.encode()
     assert secret not in output.encode()
     assert files_containing(tmp_path, secret) == []
-    assert files_containing(ray_logs, secret) == []
+    for logs in ray_logs:
+        assert files_containing(logs, secret) == []
 
-    # The same job from local files gives the same results at the same seed.
+    # Deterministic on CPU: the S3 run, interrupted and resumed, ends where an uninterrupted local one does.
     assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"]
     assert deterministic_run["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
     assert deterministic_run["train_loss"] == pytest.approx(run.data.metrics["train_loss"], abs=1e-6)
