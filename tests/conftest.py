@@ -90,6 +90,35 @@ def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
             time.sleep(0.3)
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Ray's raylet, GCS and workers for a local runtime)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    running = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                running.add(pid)
+        except OSError:
+            continue
+    return running
+
+
 compose_cfg = compose  # the resolved config as the entry point sees it (a plain dict)
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes

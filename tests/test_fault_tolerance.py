@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DETERMINISTIC, compose_cfg, in_process
+from conftest import DETERMINISTIC, alive, compose_cfg, descendants, in_process
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
@@ -40,35 +40,6 @@ def wait_for_epochs(run_dir: Path, count: int, timeout_s: float = 300.0) -> None
     while not (path.exists() and len(path.read_text().splitlines()) >= count):
         assert time.monotonic() < deadline, f"no {count} epoch(s) reported in {run_dir}"
         time.sleep(0.05)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (Ray's raylet, GCS and workers for a local runtime)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` still running (zombies count as gone)."""
-    running = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                running.add(pid)
-        except OSError:
-            continue
-    return running
 
 
 def start_cli(args: list[str], cwd: Path, data_root: Path) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, free_port, in_process, write_split
+from conftest import compose_cfg, descendants, free_port, in_process, write_split
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -192,14 +192,15 @@ def test_the_quick_start_recipe_learns(tmp_path, data_root, ray_runtime, monkeyp
 
 
 def leftover_actors(timeout_s: float = 30.0) -> list[str]:
-    """Processes of this pipeline's actors still alive (Ray titles them ray::ClassName...)."""
+    """Processes of this pipeline's actors still alive on pytest's own runtime (Ray titles them
+    ray::ClassName...; its raylet and their processes descend from pytest's)."""
     names = ("RayTrainWorker", "TrainController", "_QueueActor", "SplitCoordinator")
     deadline = time.monotonic() + timeout_s
     while True:
         alive = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        for pid in descendants(os.getpid()):
             try:
-                title = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:  # the process ended while we looked
                 continue
             alive += [title for name in names if title.startswith(f"ray::{name}")]
