@@ -42,7 +42,7 @@ def describe_job(hydra_cfg: DictConfig):
 def main(cfg: DictConfig) -> float | None:
     # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
     # so that a mistyped override or experiment fails at once.
-    from pipeline import predict, run, workarounds
+    from pipeline import predict, run, source, workarounds
 
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
@@ -50,6 +50,7 @@ def main(cfg: DictConfig) -> float | None:
     signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
     stage = predict.run if cfg.stage == "predict" else run.run
     try:
+        source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
         sys.exit(130)

@@ -52,6 +52,12 @@ class SourceConfig:
     feature_column: Any = "image"
     label_column: str = "label"
     num_classes: Optional[int] = None  # classification: labels must be 0..num_classes-1 (checked before training)
+    # classification by name ("benign", "malignant"): the class names, index order; when the label column
+    # holds strings, found (sorted) in the training split and num_classes set to their count
+    classes: Optional[list[str]] = None
+    # a table's missing (null), NaN or infinite feature values: raise (fail naming file, column and row),
+    # drop (the row, counted as skipped_rows) or mean (the training split's mean; needs ingest.standardize)
+    on_missing: str = "raise"
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
     reader_v2: bool = False  # Ray Data's V2 parquet reader (starts footer-reader actors: slower to start)
@@ -259,8 +265,11 @@ def compose(overrides: list[str] = ()) -> dict:
     from omegaconf import OmegaConf
 
     register()
+    from pipeline.source import with_classes
+
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    with_classes(cfg)
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -382,6 +391,11 @@ def check_task(task: dict, source: dict) -> None:
         or (isinstance(features, list) and features and all(isinstance(f, str) for f in features)),
         f"source.feature_column must be a column name or a non-empty list of column names, got {features!r}.",
     )
+    on_missing = source["on_missing"]
+    _require(
+        on_missing in ("raise", "drop", "mean"),
+        f"source.on_missing must be raise, drop or mean, got {on_missing!r}.",
+    )
 
 
 def check_values(cfg: dict) -> None:
@@ -409,6 +423,11 @@ def check_values(cfg: dict) -> None:
         f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",
     )
     scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
+    _require(
+        cfg["source"]["on_missing"] != "mean" or ingest["standardize"],
+        "source.on_missing=mean fills in the training mean that ingest.standardize computes: set "
+        "ingest.standardize=true, or use source.on_missing=drop.",
+    )
     _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
     _require(
         train["checkpoint_metric"] in (None, *metrics),

@@ -12,15 +12,16 @@ from pipeline.metrics import is_task_metric
 
 
 def quiet_libraries() -> None:
-    """Keep Ray's, Ray Data's and MLflow's chatter off the console: Ray Data's console shows errors
-    only (its notes, such as a false "the Dataset job will hang" while its own metadata tasks hold
-    every CPU, are not the user's concern), while its log file in Ray's session directory keeps all."""
+    """Keep Ray's, Ray Data's and MLflow's chatter off the console: Ray Data's console shows only what
+    is critical (its notes, such as a false "the Dataset job will hang" while its own metadata tasks hold
+    every CPU, are not the user's concern, and a failed dataset's traceback reaches the pipeline as an
+    exception, which it reports in one paragraph), while its log file in Ray's session directory keeps all."""
     import ray.data
 
     logging.getLogger("ray").setLevel(logging.ERROR)
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
-            handler.setLevel(logging.ERROR)
+            handler.setLevel(logging.CRITICAL)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

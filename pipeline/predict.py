@@ -8,6 +8,7 @@ the job is an MLflow run nested under the training run, with accuracy when the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ class Predictor:
         label: str | None,
         use_gpu: bool,
         train_cfg: dict,
+        classes: list[str] | None = None,
     ):
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         model = instantiate(model_cfg, _convert_="all")
@@ -61,6 +63,7 @@ class Predictor:
         self.autocast, _ = worker.autocast_settings(self.device, train_cfg)
         self.scale = worker.feature_scaler(normalize, statistics, self.device)  # as training scaled them
         self.feature, self.label = feature, label
+        self.classes = np.asarray(classes) if classes is not None else None  # predictions written as these names
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -68,6 +71,8 @@ class Predictor:
         with self.autocast:
             outputs = self.model(features)
         out = {"path": batch["path"], **self.task.predict(outputs)}
+        if self.classes is not None:
+            out["prediction"] = self.classes[out["prediction"]]
         if self.label is not None:
             out[self.label] = batch[self.label]
         return out
@@ -184,7 +189,8 @@ def run(cfg: dict, job) -> dict:
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
     weights, statistics = load_weights(client, model_run, predict["checkpoint"])
-    layout = source.Layout.of(src)
+    layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
+    classes = trained_cfg["source"].get("classes")  # the model's classes, by name where labels were names
     place = locate(predict["source"], src["s3"], "predict.source")
     split = source.check_split("predict.source", predict["source"], *place, layout.inputs)
     split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
@@ -216,6 +222,7 @@ def run(cfg: dict, job) -> dict:
             "label": label,
             "use_gpu": cfg["scaling"]["use_gpu"],
             "train_cfg": cfg["train"],
+            "classes": classes,
         }
         predictions = rows.map_batches(
             Predictor,

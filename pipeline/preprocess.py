@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,9 +143,8 @@ def dataset(
     features = split.layout.inputs
     placed = read_placement(steps)  # these steps run where the reads do, fused with them
     ds = source.read(split, [*features, *columns[1:]], source_cfg, placed)
-    if split.tabular:
-        stacked = {"columns": features, "output": columns[0]}
-        ds = ds.map_batches(stack_features, fn_kwargs=stacked, batch_size=None, **placed)
+    for fn, kwargs in read_steps(split):
+        ds = ds.map_batches(fn, fn_kwargs=kwargs, batch_size=None, **placed)
     if shuffle_seed is not None:
         shuffle = seeded(permuted, epoch_counter)
         ds = ds.map_batches(shuffle, fn_kwargs={"seed": shuffle_seed}, batch_size=None, **placed)
@@ -170,7 +170,7 @@ def cached_dataset(
     chained on. ``columns`` as :func:`dataset`'s."""
     once, every_epoch = cached_steps(steps)
     features = split.layout.inputs
-    prepare = Steps(once, features if split.tabular else None, columns[0])
+    prepare = Steps(once, read_steps(split))
     first = next(iter(once.values()), None)
     build_options = {
         "num_cpus": max((s["num_cpus"] for s in once.values()), default=1.0),
@@ -180,26 +180,45 @@ def cached_dataset(
     pieces = cache.build(groups, split.filesystem, [*features, *columns[1:]], prepare, row_bytes, build_options)
     bind = functools.partial(seeded, epoch_counter=epoch_counter)
     inline = not any(is_class(spec) for spec in every_epoch.values())  # class steps need their actor pools
-    then = Steps(every_epoch if inline else {}, None, columns[0])
+    then = Steps(every_epoch if inline else {}, [])
     later = {} if inline else every_epoch
     epoch_options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
     ds = cache.dataset(pieces, shuffle_seed, then, bind, {**epoch_options, **read_placement(every_epoch)})
     return apply(ds, later, columns, epoch_counter), pieces
 
 
-class Steps:
-    """Transform steps run in one process, one after another, on a batch: ``stack`` columns stacked into
-    ``output`` first (tables), then each step (a class step built here), those that take an ``epoch``
-    given the one the call passes. Steps are built on first use, once per process that runs them."""
+def read_steps(split: source.Split) -> list[tuple[Callable, dict]]:
+    """What a split's rows go through as read, before any configured step: class names made their index,
+    a table's numeric columns stacked into one vector (each a function and its arguments)."""
+    layout, steps = split.layout, []
+    if layout.classes is not None:
+        steps.append((class_indices, {"column": layout.label, "classes": layout.classes}))
+    if split.tabular:
+        stacking = {"columns": layout.inputs, "output": layout.model_input, "on_missing": layout.on_missing}
+        steps.append((stack_features, stacking))
+    return steps
 
-    def __init__(self, specs: dict[str, dict], stack: list[str] | None, output: str):
-        self.specs, self.stack, self.output, self.fns = specs, stack, output, None
+
+def class_indices(batch: dict[str, np.ndarray], column: str, classes: list[str]) -> dict[str, np.ndarray]:
+    """Class names in ``column`` as their index in ``classes`` (every name is one: checked before training)."""
+    order = np.argsort(classes)
+    found = np.searchsorted(np.asarray(classes)[order], batch[column].astype(str))
+    return {**batch, column: order[np.minimum(found, len(classes) - 1)].astype(np.int64)}
+
+
+class Steps:
+    """Transform steps run in one process, one after another, on a batch: ``first`` (:func:`read_steps`),
+    then each step (a class step built here), those that take an ``epoch`` given the one the call passes.
+    Steps are built on first use, once per process that runs them."""
+
+    def __init__(self, specs: dict[str, dict], first: list[tuple[Callable, dict]]):
+        self.specs, self.first, self.fns = specs, first, None
 
     def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
         if self.fns is None:
             self.fns = [built(spec) for spec in self.specs.values()]
-        if self.stack is not None:
-            batch = stack_features(batch, self.stack, self.output)
+        for fn, kwargs in self.first:
+            batch = fn(batch, **kwargs)
         for fn, takes in self.fns:
             batch = fn(batch, epoch=epoch) if takes and epoch is not None else fn(batch)
         return batch
@@ -274,8 +293,7 @@ def sample_rows(split: source.Split, steps: dict[str, dict]) -> dict[str, np.nda
     layout = split.layout
     reader = pq.ParquetFile(split.files[0], filesystem=split.filesystem)
     table = pa.Table.from_batches([next(reader.iter_batches(SAMPLE_ROWS, columns=[*layout.inputs, layout.label]))])
-    stack = layout.inputs if split.tabular else None
-    return Steps(steps, stack, layout.model_input)(cache.numpy_batch(table, split.files[0]))
+    return Steps(steps, read_steps(split))(cache.numpy_batch(table, split.files[0]))
 
 
 def permuted(batch: dict[str, np.ndarray], seed: int, epoch: int = 0) -> dict[str, np.ndarray]:
@@ -289,16 +307,28 @@ def permuted(batch: dict[str, np.ndarray], seed: int, epoch: int = 0) -> dict[st
 
 
 def feature_statistics(ds, column: str) -> dict[str, list[float]]:
-    """Per-feature mean and std of ``column`` over ``ds`` (one pass; a constant feature gets std 1)."""
+    """Per-feature mean and std of ``column`` over ``ds`` (one pass; a constant feature gets std 1), over the
+    values present (``source.on_missing: mean`` leaves missing ones NaN). A feature with no value, or
+    whose statistics overflow, fails naming it."""
 
     def moments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = batch[column].astype(np.float64)
-        return {"rows": np.array([len(values)]), "sum": values.sum(0)[None], "squares": (values**2).sum(0)[None]}
+        present = np.isfinite(values)
+        values = np.where(present, values, 0.0)
+        return {"rows": present.sum(0)[None], "sum": values.sum(0)[None], "squares": (values**2).sum(0)[None]}
 
     parts = ds.select_columns([column]).map_batches(moments, batch_size=None).take_all()
-    rows = sum(int(part["rows"]) for part in parts)
-    mean = sum(part["sum"] for part in parts) / rows
-    std = np.sqrt(np.maximum(sum(part["squares"] for part in parts) / rows - mean**2, 0.0))
+    rows = sum(part["rows"] for part in parts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sum(part["sum"] for part in parts) / rows
+        std = np.sqrt(np.maximum(sum(part["squares"] for part in parts) / rows - mean**2, 0.0))
+    bad = np.flatnonzero(~np.isfinite(mean) | ~np.isfinite(std))
+    if len(bad):
+        raise PipelineError(
+            f"ingest.standardize: feature {bad[0]} of {column!r} has no finite mean and std over the training split "
+            f"(mean {mean[bad[0]]}, std {std[bad[0]]}, from {int(rows[bad[0]])} value(s)): every value is missing, or "
+            "they overflow. Drop or fix that column (source.feature_column)."
+        )
     return {"mean": mean.tolist(), "std": np.where(std > 1e-12, std, 1.0).tolist()}
 
 

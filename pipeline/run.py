@@ -1,4 +1,4 @@
-"""One training job, start to end, on the driver: checks -> tracker -> datasets -> fit -> model logged,
+"""One training job, start to end, on the driver: checks -> datasets -> tracker -> fit -> model logged,
 built as :mod:`pipeline.build` says (as a Tune trial builds its own).
 
 Every check that can fail on the user's input runs before the job's MLflow run is created (those
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from ray.exceptions import RayError
 
-from pipeline import console, events, filesystems, preflight, preprocess, tracking, trainer
+from pipeline import console, events, filesystems, preflight, preprocess, source, task, tracking, trainer
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.tracking import Tracker
@@ -32,29 +32,23 @@ def run(cfg: dict, job: Job) -> dict:
     try:
         splits = preflight.checked(cfg)
         plan = preprocess.cache_plan(cfg, splits)
+        baseline = task.constant_baseline(cfg["task"], source.labels(splits["valid"]))
+        # with ingest.standardize, a pass over the training split: a value it cannot use fails here
+        data = preprocess.training_data(cfg, splits, plan)
     except PipelineError as err:
         if job.sweep_dir:  # a sweep keeps a record of every job it tried
             Tracker.open(cfg, job).end("FAILED", err)
         raise
-    os.makedirs(job.run_dir, exist_ok=True)
-    tracker = Tracker.open(cfg, job)
-    log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
-    # the run ends FINISHED, or FAILED / KILLED with the error
-    with resume_hint(tracker), tracker, preprocess.training_data(cfg, splits, plan) as data:
-        tracker.log_data(splits, data.statistics)
-        reporter = report_cache(data, tracker)
-        tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
-        storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
-        tracker.set_storage(storage.uri)
-        steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
-        progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
-        result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress))
-        reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
-        if tracker.last is None:
-            raise PipelineError("training finished without reporting an epoch.")
-        if cfg["tracking"]["log_model"] and result.checkpoint is not None:
-            with result.checkpoint.as_directory() as path:
-                tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
+    with data:
+        os.makedirs(job.run_dir, exist_ok=True)
+        tracker = Tracker.open(cfg, job)
+        log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
+        with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
+            train(cfg, job, data, splits, tracker)
+            verdict = task.no_learning(cfg["task"], tracker.last, baseline)
+            if verdict is not None:  # the run still finishes: its curves and model say what went wrong
+                log.warning("%s", verdict)
+                tracker.flag_no_learning(verdict)
     metric = cfg["optimized_metric"]
     log.info(
         "finished: %s %.4f; browse with: mlflow ui --backend-store-uri %s",
@@ -63,6 +57,24 @@ def run(cfg: dict, job: Job) -> dict:
         tracking.redact(tracker.uri),
     )
     return {k: tracker.last[k] for k in tracker.metrics}
+
+
+def train(cfg: dict, job: Job, data: preprocess.TrainingData, splits: dict, tracker: Tracker) -> None:
+    """Fit on ``data``, every epoch to ``tracker``, then the final model logged."""
+    tracker.log_data(splits, data.statistics)
+    reporter = report_cache(data, tracker)
+    tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
+    storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
+    tracker.set_storage(storage.uri)
+    steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
+    progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
+    result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress))
+    reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
+    if tracker.last is None:
+        raise PipelineError("training finished without reporting an epoch.")
+    if cfg["tracking"]["log_model"] and result.checkpoint is not None:
+        with result.checkpoint.as_directory() as path:
+            tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -39,13 +40,16 @@ class Layout:
     model_input: str
     label: str
     stacked: bool
+    on_missing: str = "raise"  # a table's missing, NaN or infinite values: raise, drop the row, or the mean
+    classes: list[str] | None = None  # labels that are class names, made their index here
 
     @classmethod
     def of(cls, source: dict) -> Layout:
-        features = source["feature_column"]
+        features, label = source["feature_column"], source["label_column"]
+        settings = {"on_missing": source["on_missing"], "classes": source["classes"]}
         if isinstance(features, list):
-            return cls(list(features), "features", source["label_column"], stacked=True)
-        return cls([features], features, source["label_column"], stacked=False)
+            return cls(list(features), "features", label, stacked=True, **settings)
+        return cls([features], features, label, stacked=False, **settings)
 
 
 @dataclass
@@ -115,12 +119,19 @@ def _missing(key: str, uri: str, fs: pafs.FileSystem, path: str) -> PipelineErro
 
 
 def check_split(
-    key: str, uri: str, fs: pafs.FileSystem, path: str, columns: list[str], num_classes: int | None = None
+    key: str,
+    uri: str,
+    fs: pafs.FileSystem,
+    path: str,
+    columns: list[str],
+    num_classes: int | None = None,
+    classes: list[str] | None = None,
 ) -> Split:
     """Find the files ``uri`` names (``path`` on ``fs``, from :func:`pipeline.filesystems.locate`) and count
     their rows from the footers, or fail naming the config key (``source.train``), the path, file or column.
     With ``num_classes``, the last of ``columns`` holds class labels, which must lie in ``[0, num_classes)``
-    (checked from the footers' statistics where the files have them, else by reading that one column)."""
+    (checked from the footers' statistics where the files have them, else by reading that one column), or,
+    with ``classes``, be one of those names."""
     try:
         files = parquet_files(fs, path)
         if not files:
@@ -142,10 +153,32 @@ def check_split(
                 f"{key}: {file} has no column {', '.join(map(repr, missing))} "
                 f"(it has {', '.join(schema.names)}). Set source.feature_column / source.label_column."
             )
-        if num_classes is not None:
+        if classes is not None:
+            check_names(key, file, footer, columns[-1], classes)
+        elif num_classes is not None:
             check_labels(key, file, footer, columns[-1], num_classes)
         digest.update(json.dumps([file, footer.metadata.to_dict()], sort_keys=True, default=str).encode())
     return Split(uri, files, rows, fs, schema, digest.hexdigest()[:16])
+
+
+def check_names(key: str, file: str, footer: pq.ParquetFile, label: str, classes: list[str]) -> None:
+    """Class-name labels that are all among ``classes`` (the training split's), or an error naming the first
+    that is not, its file and row."""
+    kind = footer.schema_arrow.field(label).type
+    if not is_names(kind):
+        raise PipelineError(
+            f"{key}: {file} column {label!r} holds {kind}, but the classes are names ({', '.join(classes[:5])}, ...); "
+            "every split's labels must be the same kind."
+        )
+    values = footer.read(columns=[label]).column(label).cast(pa.string()).to_pylist()
+    known = set(classes)
+    bad = [row for row, value in enumerate(values) if value not in known]
+    if bad:
+        raise PipelineError(
+            f"{key}: {file} row {bad[0]} has label {values[bad[0]]!r} in column {label!r}, which is not one of the "
+            f"{len(classes)} classes of the training split ({', '.join(classes[:20])}); {len(bad)} such row(s) in this "
+            "file. Fix or drop those rows, or set source.classes to every class name."
+        )
 
 
 def check_labels(key: str, file: str, footer: pq.ParquetFile, label: str, num_classes: int) -> None:
@@ -173,6 +206,57 @@ def check_labels(key: str, file: str, footer: pq.ParquetFile, label: str, num_cl
         )
 
 
+def is_names(kind: pa.DataType) -> bool:
+    """Whether a label column of this type holds class names (strings, or a dictionary of them)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def class_names(source: dict) -> list[str] | None:
+    """The classes of a classification whose labels are names: the training split's distinct labels,
+    sorted. None when its labels are numbers, or when its files cannot be read (the source checks then
+    say why)."""
+    fs, path = locate(source["train"], source["s3"], "source.train")
+    try:
+        files = parquet_files(fs, path)
+        if not files or not is_names(pq.read_schema(files[0], filesystem=fs).field(source["label_column"]).type):
+            return None
+        labels = pq.read_table(files, filesystem=fs, columns=[source["label_column"]]).column(0)
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+    return sorted(str(name) for name in pc.unique(labels.cast(pa.string())).to_pylist() if name is not None)
+
+
+def with_classes(cfg) -> None:
+    """Class names as labels, before the config is resolved (models take ``${source.num_classes}``):
+    ``source.classes`` found in the training split when unset, and ``source.num_classes`` from them when
+    null. ``cfg``: the composed DictConfig, changed in place."""
+    from omegaconf import OmegaConf
+
+    if cfg.task.type != "classification":
+        return
+    if cfg.source.classes is None:
+        names = class_names(OmegaConf.to_container(cfg.source, resolve=True))
+        if names is None:
+            return
+        cfg.source.classes = names
+    count = len(cfg.source.classes)
+    if cfg.source.num_classes is None:
+        cfg.source.num_classes = count
+    elif cfg.source.num_classes != count:
+        raise PipelineError(
+            f"source.num_classes is {cfg.source.num_classes}, but the labels are names of {count} classes "
+            f"({', '.join(cfg.source.classes)}). Leave source.num_classes out (null); it is their count."
+        )
+
+
+def labels(split: Split) -> np.ndarray:
+    """The split's label column, its first ``split.rows`` rows in file order (``source.limit``, as read)."""
+    table = pq.read_table(split.files, filesystem=split.filesystem, columns=[split.layout.label])
+    return table.column(split.layout.label).slice(0, split.rows).to_numpy()
+
+
 def prepare(source: dict) -> dict[str, Split]:
     """Resolve and check every split, downloading the data first when it is local, missing and allowed.
 
@@ -187,9 +271,10 @@ def prepare(source: dict) -> dict[str, Split]:
         check_target(source["download"], "source.download", runtime_args=("root",))
         download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
         download(root=source["root"])
-    columns, num_classes = [*layout.inputs, layout.label], source["num_classes"]
+    columns, num_classes, classes = [*layout.inputs, layout.label], source["num_classes"], source["classes"]
     checked = {
-        split: check_split(f"source.{split}", source[split], *places[split], columns, num_classes) for split in SPLITS
+        split: check_split(f"source.{split}", source[split], *places[split], columns, num_classes, classes)
+        for split in SPLITS
     }
     limit = source["limit"]
     for split in checked.values():

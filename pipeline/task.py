@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 
-from pipeline.metrics import Metric, task_metric
+from pipeline.metrics import Metric, lower_is_better, task_metric
 
 
 class Task:
@@ -46,12 +46,37 @@ class Task:
 def prediction_metrics(task: dict, predicted: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """The task's metrics over written predictions: accuracy from the predicted classes, the errors from
     the predicted numbers (top-k needs scores a prediction file does not keep)."""
-    outputs, targets = torch.from_numpy(np.array(predicted)), torch.from_numpy(np.array(labels))
     found = {}
     for name in task["metrics"]:
-        if name == "accuracy":
-            found[name] = float((outputs == targets).float().mean())
+        if name == "accuracy":  # classes as numbers or names
+            found[name] = float(np.mean(np.asarray(predicted) == np.asarray(labels)))
         elif task["type"] == "regression":
             metric = task_metric(task["type"], name)
-            found[name] = metric.value(float(metric.batch_sum(outputs.float(), targets.float())), len(targets))
+            outputs, targets = torch.from_numpy(np.array(predicted)).float(), torch.from_numpy(np.array(labels)).float()
+            found[name] = metric.value(float(metric.batch_sum(outputs, targets)), len(targets))
     return found
+
+
+def constant_baseline(task: dict, labels: np.ndarray) -> dict[str, float]:
+    """What a model that learned nothing at best scores on validation ``labels``, by metric
+    (``val_<name>``): always their most common class (classification), or always their mean (regression)."""
+    if task["type"] == "regression":
+        constant = np.full(len(labels), float(np.mean(labels)))
+    else:
+        classes, counts = np.unique(labels, return_counts=True)
+        constant = np.full(len(labels), classes[np.argmax(counts)])
+    return {f"val_{name}": value for name, value in prediction_metrics(task, constant, labels).items()}
+
+
+def no_learning(task: dict, last: dict, baseline: dict[str, float]) -> str | None:
+    """Why the last epoch's validation is no better than ``baseline`` (:func:`constant_baseline`), or None."""
+    for metric, constant in baseline.items():
+        value, lower = last[metric], lower_is_better(task["type"], task["metrics"], metric)
+        if (value >= constant) if lower else (value <= constant):
+            predictor = "mean" if task["type"] == "regression" else "most common class"
+            return (
+                f"{metric} {value:.4g} is no better than always predicting the validation split's {predictor} "
+                f"({constant:.4g} on validation): the model learned nothing usable. Check the labels, optim.lr "
+                "and train.epochs."
+            )
+    return None

@@ -45,6 +45,7 @@ SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STOPPED_TAG = "pipeline.stopped_early"  # a run that train.early_stop or a Tune scheduler stopped: when, and why
+NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
@@ -461,6 +462,10 @@ class Tracker:
     def log_step_loss(self, loss: float, global_step: int) -> None:
         """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
         self.client.log_metric(self.run_id, STEP_LOSS_METRIC, loss, step=global_step)
+
+    def flag_no_learning(self, verdict: str) -> None:
+        """Mark a run whose model scores no better than a constant prediction (:func:`pipeline.task.no_learning`)."""
+        self.client.set_tag(self.run_id, NO_LEARNING_TAG, verdict[:MAX_TAG_LENGTH])
 
     def log_restore(self, epoch: int) -> None:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import build, console, filesystems, preflight, tracking, workarounds
+from pipeline import build, console, filesystems, preflight, source, tracking, workarounds
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.metrics import lower_is_better
@@ -145,6 +145,7 @@ def base_config(loader, config: DictConfig, overrides: list[str]) -> DictConfig:
     composed = loader.load_sweep_config(config, overrides)
     with read_write(composed), open_dict(composed):
         del composed["hydra"]
+        source.with_classes(composed)  # found once here, not in each trial
     return composed
 
 

@@ -154,6 +154,7 @@ class Replica:
             "torch_rng": torch.get_rng_state(),
             "epoch": epoch,
             "feature_statistics": self.statistics,  # predict standardizes features with these
+            "classes": self.layout.classes,  # the class names, index order, where labels are names
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -348,8 +349,8 @@ def feature_scaler(normalize: dict | None, statistics: dict | None, device: torc
     def scale(features: torch.Tensor) -> torch.Tensor:
         if features.dtype == torch.uint8 and pixels is not None:  # in place: one float copy, not three
             return features.float().mul_(pixels[0]).add_(pixels[1])
-        if statistics is not None and features.is_floating_point():
-            return (features - mean) / std
+        if statistics is not None and features.is_floating_point():  # a missing value (source.on_missing: mean)
+            return torch.nan_to_num((features - mean) / std, nan=0.0)  # becomes the training mean
         return features
 
     return scale

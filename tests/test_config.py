@@ -168,6 +168,8 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["train.accumulate=0"], r"train.accumulate must be >= 1, got 0"),
         (["train.grad_clip=0"], r"train.grad_clip must be > 0 or null"),
         (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be raise or skip, got 'ignore'"),
+        (["source.on_missing=zero"], r"source.on_missing must be raise, drop or mean, got 'zero'"),
+        (["source.on_missing=mean"], r"source.on_missing=mean fills in the training mean that ingest.standardize"),
         (["train.early_stop.patience=0"], r"train.early_stop.patience must be >= 1 or null"),
         (["train.early_stop.metric=val_mae"], r"train.early_stop.metric must be null or one of train_loss, val_loss"),
     ],

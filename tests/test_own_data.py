@@ -15,13 +15,13 @@ import torch
 from conftest import compose_cfg, write_split
 from mlflow import MlflowClient
 from PIL import Image
-from test_pipeline import run_cli
+from test_pipeline import no_runs_logged, run_cli
 
 from pipeline import predict, source, tracking
 from pipeline.build import Job
 from pipeline.config import PipelineError, validate
 from pipeline.run import run
-from pipeline.task import Task
+from pipeline.task import Task, constant_baseline, no_learning
 
 # The experiment a user keeps in their own directory: a Hugging Face image export (PNG in {bytes, path}
 # structs, grayscale, mixed sizes), decoded to 16x16 RGB for a small ViT.
@@ -121,18 +121,32 @@ def sorted_wine(root: Path) -> None:
         pq.write_table(part, root / "wine" / "train" / f"class-{label}.parquet")
 
 
+CULTIVARS = ["barolo", "grignolino", "barbera"]  # the wine data's three cultivars, by name
+
+
+def named(split: Path) -> None:
+    """The split's integer ``target`` as class names, as CSV and database exports hold labels."""
+    for path in split.glob("*.parquet"):
+        table = pq.read_table(path)
+        names = pa.array([CULTIVARS[i] for i in table["target"].to_pylist()])
+        pq.write_table(table.set_column(table.schema.get_field_index("target"), "target", names), path)
+
+
 @pytest.mark.slow
 def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predicts(tmp_path, ray_runtime):
     """The default shuffle mixes any layout (test_the_shuffle_is_new_each_epoch... shows a batch of a
     class-sorted split holding many classes), so a class-sorted copy of the rows reaches the accuracy of
-    the shuffled copy scikit-learn's rows are written as. The shuffled copy's model (the newest run)
-    then predicts its validation rows: the tabular classification path end to end."""
+    the shuffled copy scikit-learn's rows are written as. The shuffled copy holds its labels as names, with
+    source.num_classes left out: the classes are found, sorted, logged, and the model (the newest run)
+    predicts its validation rows by name: the tabular classification path end to end."""
     source.write_sklearn(str(tmp_path / "shuffled"), "wine")
+    for split in ("train", "valid"):
+        named(tmp_path / "shuffled" / "wine" / split)
     sorted_wine(tmp_path / "sorted")
     accuracy = {}
     for name in ("sorted", "shuffled"):
         args = ["+experiment=wine_mlp", f"source.root={tmp_path / name}", f"paths.outputs={tmp_path / 'out'}"]
-        cfg = compose_cfg([*args, "train.epochs=8"])
+        cfg = compose_cfg([*args, "train.epochs=8", *(["source.num_classes=null"] if name == "shuffled" else [])])
         accuracy[name] = run(cfg, Job(str(tmp_path / f"run-{name}"), "wine"))["val_accuracy"]
     assert accuracy["shuffled"] >= 0.85, accuracy  # chance: about 0.4
     assert abs(accuracy["sorted"] - accuracy["shuffled"]) <= 0.06, accuracy  # two of 36 rows
@@ -140,7 +154,28 @@ def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predict
     predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "wine"))
     training, written = predicted_as_validated(tmp_path / "out", "wine", ("val_accuracy",))
     assert training.data.metrics["val_accuracy"] == accuracy["shuffled"]
-    assert written["prediction"].type == pa.int64() and "confidence" in written.column_names
+    assert training.data.params["source.classes"] == str(sorted(CULTIVARS))  # index order
+    assert training.data.params["source.num_classes"] == "3"
+    assert set(written["prediction"].to_pylist()) <= set(CULTIVARS) and "confidence" in written.column_names
+    assert set(written["target"].to_pylist()) == set(CULTIVARS)  # the labels, as the data holds them
+    checkpoint = sorted(Path(training.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt"))[-1]
+    assert torch.load(checkpoint, weights_only=True)["classes"] == sorted(CULTIVARS)
+
+
+def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_row(tmp_path):
+    """Classes by name come from the training split (sorted); a validation label outside them is an error
+    before anything runs, as is a class count that disagrees with them."""
+    source.write_sklearn(str(tmp_path), "wine")
+    for split in ("train", "valid"):
+        named(tmp_path / "wine" / split)
+    args = ["+experiment=wine_mlp", f"source.root={tmp_path}", "source.num_classes=null"]
+    cfg = compose_cfg(args)
+    assert cfg["source"]["classes"] == sorted(CULTIVARS) and cfg["model"]["hidden_channels"][-1] == 3
+    path = with_a_missing_value(tmp_path / "wine" / "valid", "target", row=4, value="nebbiolo")
+    with pytest.raises(PipelineError, match=rf"^source.valid: {path} row 4 has label 'nebbiolo' in column 'target', "):
+        source.prepare(cfg["source"])
+    with pytest.raises(PipelineError, match=r"source.num_classes is 4, but the labels are names of 3 classes"):
+        compose_cfg([*args, "source.num_classes=4"])
 
 
 def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
@@ -218,6 +253,22 @@ def test_task_metrics_match_their_definitions():
     )
 
 
+def test_a_model_no_better_than_a_constant_prediction_is_named_with_the_constants_score():
+    classification = {"type": "classification", "metrics": ["accuracy", "top2_accuracy"]}
+    baseline = constant_baseline(classification, np.array([0, 2, 2, 1]))
+    assert baseline == {"val_accuracy": 0.5}  # always class 2; top-k needs scores a constant has not
+    verdict = no_learning(classification, {"val_accuracy": 0.5, "val_top2_accuracy": 0.9}, baseline)
+    assert verdict.startswith("val_accuracy 0.5 is no better than always predicting the validation split's most")
+    assert no_learning(classification, {"val_accuracy": 0.75}, baseline) is None
+    regression = {"type": "regression", "metrics": ["mae", "rmse"]}
+    baseline = constant_baseline(regression, np.array([0.0, 4.0, 2.0]))  # always 2
+    assert baseline == pytest.approx({"val_mae": 4 / 3, "val_rmse": np.sqrt(8 / 3)})
+    assert "val_mae 1.5 is no better than always predicting the validation split's mean (1.333" in no_learning(
+        regression, {"val_mae": 1.5, "val_rmse": 1.0}, baseline
+    )
+    assert no_learning(regression, {"val_mae": 1.0, "val_rmse": 1.5}, baseline) is None
+
+
 def test_the_task_sets_the_metric_names_and_what_is_optimized():
     regression = compose_cfg(["+experiment=diabetes_mlp"])
     assert regression["optimized_metric"] == "val_mae" and regression["task"]["metrics"] == ["mae", "rmse"]
@@ -270,9 +321,50 @@ def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path,
     on the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py; classification:
     the class-sorted test above)."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
-    args = ["+experiment=diabetes_mlp", "train.epochs=5", f"paths.outputs={tmp_path / 'outputs'}"]
+    source.write_sklearn(str(tmp_path / "data"), "diabetes", vector=True)
+    with_a_missing_value(tmp_path / "data" / "diabetes" / "train", "features", row=3, value=float("nan"), index=2)
+    with_a_missing_value(tmp_path / "data" / "diabetes" / "valid", "features", row=5, value=None, index=0)
+    args = [
+        "+experiment=diabetes_mlp",
+        "train.epochs=5",
+        "source.on_missing=mean",  # the missing values become the training mean; every row counts
+        f"paths.outputs={tmp_path / 'outputs'}",
+    ]
     run(compose_cfg(args), Job(str(tmp_path / "train"), "diabetes_mlp"))
     predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "diabetes_mlp"))
     training, written = predicted_as_validated(tmp_path / "outputs", "diabetes_mlp", ("val_mae", "val_rmse"))
-    assert pa.types.is_floating(written["prediction"].type)
+    assert pa.types.is_floating(written["prediction"].type) and written.num_rows == 88  # none dropped
     assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
+    assert "pipeline.no_learning" not in training.data.tags
+
+
+def with_a_missing_value(split: Path, column: str, row: int, value, index: int | None = None) -> Path:
+    """Rewrite the split's one file with ``value`` (NaN, or None: missing) at ``row`` of ``column`` (element
+    ``index`` of a list column); returns the file."""
+    (path,) = split.glob("*.parquet")
+    table = pq.read_table(path)
+    values = table[column].to_pylist()
+    if index is None:
+        values[row] = value
+    else:
+        values[row][index] = value
+    pq.write_table(
+        table.set_column(table.schema.get_field_index(column), column, pa.array(values, table[column].type)), path
+    )
+    return path
+
+
+def test_a_nan_in_a_tables_training_rows_fails_before_any_run_naming_file_column_and_row(tmp_path, ray_runtime):
+    """What CSV and database exports hold: one NaN in one feature of one training row. The default,
+    source.on_missing: raise, refuses the job before its MLflow run exists, in one paragraph naming it: in
+    the standardization statistics' pass (a bad value among the first rows: the cache's size estimate)."""
+    source.write_sklearn(str(tmp_path / "data"), "wine")
+    path = with_a_missing_value(tmp_path / "data" / "wine" / "train", "malic_acid", row=100, value=float("nan"))
+    cfg = compose_cfg(
+        ["+experiment=wine_mlp", f"source.root={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"]
+    )
+    with pytest.raises(
+        PipelineError, match=rf"^preprocessing failed: .*column 'malic_acid' row 100 of {path} is missing"
+    ):
+        run(cfg, Job(str(tmp_path / "run"), "wine"))
+    assert no_runs_logged(tmp_path)

@@ -171,6 +171,11 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
         f"(best {one['val_accuracy']:.4g} after epoch 1)"
     )
     assert "model" in {a.path for a in client.list_artifacts(stopped.info.run_id)}
+    # lr=0 learned nothing: both runs say so, naming what a constant prediction scores
+    for run_info in client.search_runs([client.get_experiment_by_name("smoke").experiment_id]):
+        assert run_info.data.tags["pipeline.no_learning"].startswith(
+            f"val_accuracy {one['val_accuracy']:.4g} is no better than always predicting the validation split's most"
+        )
     assert leftover_actors() == []  # both jobs shared the runtime and left no training actors behind
 
 
@@ -189,6 +194,7 @@ def test_the_quick_start_recipe_learns(tmp_path, data_root, ray_runtime, monkeyp
     ]
     assert len(losses) == cfg["train"]["epochs"] and losses[-1] < 0.7 * losses[0], losses
     assert metrics["val_accuracy"] >= 0.4, metrics
+    assert "pipeline.no_learning" not in run_info.data.tags
 
 
 def leftover_actors(timeout_s: float = 30.0) -> list[str]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import compose_cfg, jpeg, write_split
 from PIL import Image
 
+from pipeline.config import PipelineError
 from transforms import decode_image, random_crop, random_flip, random_resized_crop
+from transforms.tabular import stack_features
 
 
 def images(n: int = 4, seed: int = 0) -> np.ndarray:
@@ -374,6 +378,45 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     torch.testing.assert_close(batch["features"], torch.tensor(expected, dtype=torch.float32))
     (raw,) = torch_batches(ds, cfg, None, torch.device("cpu"), 1, training=False)
     assert torch.equal(raw["features"], torch.from_numpy(features))  # normalize is for uint8 pixels only
+
+
+def test_missing_nan_and_infinite_table_values_fail_naming_the_file_column_and_row_or_are_dropped_or_kept(tmp_path):
+    """source.on_missing: raise (the default) names where the first bad value is; drop takes the row out;
+    mean keeps it as NaN for training to fill in (a null list is a row of NaN, a value beyond float32 is inf)."""
+    path = str(tmp_path / "part-00000.parquet")
+    columns = {"mean radius": [1.0, 2.0, 3.0, 4.0], "mean texture": [1.0, None, 1e300, 4.0], "target": [0, 1, 0, 1]}
+    pq.write_table(pa.table(columns), path)
+    batch = {name: pa.table(columns)[name].to_numpy(zero_copy_only=False) for name in columns}
+    batch["path"] = np.array([path] * 4)
+    features = ["mean radius", "mean texture"]
+    with pytest.raises(
+        ValueError, match=rf"column 'mean texture' row 1 of {path} is missing, NaN or infinite \(2 such"
+    ):
+        stack_features(batch, features)
+    dropped = stack_features(batch, features, on_missing="drop")
+    assert dropped["target"].tolist() == [0, 1] and dropped["features"].tolist() == [[1.0, 1.0], [4.0, 4.0]]
+    kept = stack_features(batch, features, on_missing="mean")["features"]
+    assert np.isnan(kept[1:3, 1]).all() and np.isfinite(np.delete(kept, [3, 5])).all()
+    lists = {"features": np.array([np.array([1.0, 2.0]), None], dtype=object), "target": np.array([1, 2])}
+    assert np.isnan(stack_features(lists, ["features"], on_missing="mean")["features"][1]).all()
+
+
+def test_statistics_skip_missing_values_and_a_feature_without_any_fails_naming_it(ray_runtime):
+    """With source.on_missing: mean, the statistics are over the values present, and workers put the mean
+    (0 once standardized) where a value is missing."""
+    import ray.data
+
+    from pipeline.preprocess import feature_statistics
+    from pipeline.worker import feature_scaler
+
+    features = np.array([[1.0, np.nan], [3.0, np.nan], [np.nan, np.nan]], dtype=np.float32)
+    ds = ray.data.from_items([{"features": f} for f in features])
+    with pytest.raises(PipelineError, match="feature 1 of 'features' has no finite mean and std .* from 0 value"):
+        feature_statistics(ds, "features")
+    statistics = feature_statistics(ds.map(lambda row: {"features": row["features"][:1]}), "features")
+    assert statistics == {"mean": [2.0], "std": [1.0]}
+    scaled = feature_scaler(None, statistics, torch.device("cpu"))(torch.tensor([[3.0], [float("nan")]]))
+    assert scaled.tolist() == [[1.0], [0.0]]
 
 
 class AddConstant:
