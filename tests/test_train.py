@@ -21,7 +21,7 @@ CLASSIFY = {"type": "classification", "loss": {"_target_": "torch.nn.CrossEntrop
 def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):
     """A worker's Replica around ``model`` as Replica.build makes it, minus Ray Train's prepare_model."""
     autocast, scaler = autocast_settings(torch.device("cpu"), {"amp": False, "amp_dtype": "bfloat16"})
-    layout = Layout.of({"feature_column": "x", "label_column": "y"})
+    layout = Layout(["x"], "x", "y", stacked=False)
     params = model.parameters()
     return Replica(
         model, optimizer(params, lr=lr), None, scaler, autocast, Task(task), None, layout, grad_clip, on_nonfinite
