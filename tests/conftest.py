@@ -19,6 +19,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # here. (Not RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: polling the workers faster ends a failing run before its
 # other ranks report their error, so the error names fewer ranks.)
 os.environ.setdefault("RAY_num_workers_soft_limit", "10")
+# No usage-statistics reporter with each test runtime (a process of its own; there is no network here anyway).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Tests never reach real AWS: fake credentials whose secret is random (the leak test searches every
 # output for it), no profile, no instance-metadata lookups. Set before Ray starts, so workers inherit them.
 AWS_SECRET = f"pipeline-test-secret-{secrets.token_hex(12)}"
@@ -48,6 +50,25 @@ def jpeg(image: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="JPEG", quality=95)
     return buffer.getvalue()
+
+
+# pytest-xdist hands whole files to its two processes in collection order: the longest files go first,
+# so that neither process is left running a long one alone at the end (the last file is otherwise test_tune).
+LONGEST_FIRST = (
+    "test_tune.py",
+    "test_cluster.py",
+    "test_pipeline.py",
+    "test_s3.py",
+    "test_own_data.py",
+    "test_sweeps.py",
+    "test_fault_tolerance.py",
+    "test_ray_canaries.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 def write_split(directory: Path, rows: int, files: int, seed: int, columns=("image", "label")) -> None:

@@ -40,7 +40,7 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
         "optim.lr=3e-3,1e-2",
         "hydra.sweeper.num_samples=1",
         "hydra.sweeper.max_concurrent_trials=1",
-        "train.epochs=2",
+        "train.epochs=1",
         "ray.num_cpus=4",
         "hydra.sweep.dir=sweep",
     ]
@@ -54,7 +54,7 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
     try:
         deadline = time.time() + 400
         while time.time() < deadline and command.poll() is None:
-            time.sleep(2)
+            time.sleep(0.5)
             if (tmp_path / "outputs" / "mlflow.db").exists() and (tmp_path / "sweep" / "tune").exists():
                 try:
                     _, _, children = sweep_runs(tmp_path)
@@ -63,7 +63,7 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
                 if any(c.info.status == "FINISHED" for c in children):
                     break
         assert command.poll() is None, "the sweep ended before the test could kill it"
-        time.sleep(3)  # Tune saves its state every second: the finished trial is in it
+        time.sleep(1.5)  # Tune saves its state every second (TUNE_GLOBAL_CHECKPOINT_S): the finished trial is in it
         os.kill(command.pid, signal.SIGKILL)
     finally:
         command.kill()
@@ -79,7 +79,7 @@ def test_a_sweep_killed_after_its_first_trial_continues_with_the_same_command(tm
     client, parent, after = sweep_runs(tmp_path)
     trials = [c.data.tags["pipeline.tune_trial_id"] for c in after]
     assert len(after) == 2 and len(set(trials)) == 2  # every trial exactly once
-    assert all(c.info.status == "FINISHED" and epochs_logged(client, c) == [0, 1] for c in after)
+    assert all(c.info.status == "FINISHED" and epochs_logged(client, c) == [0] for c in after)
     for c in after:  # each trial's checkpoints and reports in its own folder of the sweep
         trial_dir = tmp_path / "sweep" / c.data.tags["pipeline.tune_trial_id"]
         assert c.data.tags["pipeline.storage"].startswith(str(trial_dir / "checkpoints"))
