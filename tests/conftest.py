@@ -19,8 +19,6 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # here. (Not RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: polling the workers faster ends a failing run before its
 # other ranks report their error, so the error names fewer ranks.)
 os.environ.setdefault("RAY_num_workers_soft_limit", "10")
-# No usage-statistics reporter with each test runtime (a process of its own; there is no network here anyway).
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Tests never reach real AWS: fake credentials whose secret is random (the leak test searches every
 # output for it), no profile, no instance-metadata lookups. Set before Ray starts, so workers inherit them.
 AWS_SECRET = f"pipeline-test-secret-{secrets.token_hex(12)}"
