@@ -115,7 +115,8 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
                 )
             else:
                 datasets[name] = dataset(split, steps, columns, src, counter, shuffle)
-        statistics = feature_statistics(datasets["train"], columns[0]) if ingest["standardize"] else None
+        stacked = layout.inputs if layout.stacked else None
+        statistics = feature_statistics(datasets["train"], columns[0], stacked) if ingest["standardize"] else None
     except BaseException as err:
         ray.kill(counter)
         if isinstance(err, RayError):
@@ -306,10 +307,10 @@ def permuted(batch: dict[str, np.ndarray], seed: int, epoch: int = 0) -> dict[st
     return {key: values[order] for key, values in batch.items()}
 
 
-def feature_statistics(ds, column: str) -> dict[str, list[float]]:
+def feature_statistics(ds, column: str, names: list[str] | None = None) -> dict[str, list[float]]:
     """Per-feature mean and std of ``column`` over ``ds`` (one pass; a constant feature gets std 1), over the
     values present (``source.on_missing: mean`` leaves missing ones NaN). A feature with no value, or
-    whose statistics overflow, fails naming it."""
+    whose statistics overflow, fails naming it (``names``: the table's columns stacked into ``column``)."""
 
     def moments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = batch[column].astype(np.float64)
@@ -324,10 +325,12 @@ def feature_statistics(ds, column: str) -> dict[str, list[float]]:
         std = np.sqrt(np.maximum(sum(part["squares"] for part in parts) / rows - mean**2, 0.0))
     bad = np.flatnonzero(~np.isfinite(mean) | ~np.isfinite(std))
     if len(bad):
+        i = bad[0]
+        named = f" (column {names[i]!r})" if names else ""
         raise PipelineError(
-            f"ingest.standardize: feature {bad[0]} of {column!r} has no finite mean and std over the training split "
-            f"(mean {mean[bad[0]]}, std {std[bad[0]]}, from {int(rows[bad[0]])} value(s)): every value is missing, or "
-            "they overflow. Drop or fix that column (source.feature_column)."
+            f"ingest.standardize: feature {i} of {column!r}{named} has no finite mean and std over the training split "
+            f"(mean {mean[i]}, std {std[i]}, from {int(rows[i])} value(s)): every value is missing, or they overflow. "
+            "Drop or fix that column (source.feature_column)."
         )
     return {"mean": mean.tolist(), "std": np.where(std > 1e-12, std, 1.0).tolist()}
 

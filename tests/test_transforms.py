@@ -411,8 +411,10 @@ def test_statistics_skip_missing_values_and_a_feature_without_any_fails_naming_i
 
     features = np.array([[1.0, np.nan], [3.0, np.nan], [np.nan, np.nan]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f} for f in features])
-    with pytest.raises(PipelineError, match="feature 1 of 'features' has no finite mean and std .* from 0 value"):
-        feature_statistics(ds, "features")
+    with pytest.raises(
+        PipelineError, match="feature 1 of 'features' \\(column 'b'\\) has no finite mean and std .* from 0"
+    ):
+        feature_statistics(ds, "features", ["a", "b"])
     statistics = feature_statistics(ds.map(lambda row: {"features": row["features"][:1]}), "features")
     assert statistics == {"mean": [2.0], "std": [1.0]}
     scaled = feature_scaler(None, statistics, torch.device("cpu"))(torch.tensor([[3.0], [float("nan")]]))
