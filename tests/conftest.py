@@ -5,6 +5,7 @@ Ray must keep its traffic on 127.0.0.1, so the variable is set before anything i
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import secrets
@@ -112,12 +113,9 @@ def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (Ray's raylet, GCS and workers for a local runtime)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        if fields := stat_fields(int(entry.name)):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -126,15 +124,29 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` still running (zombies count as gone)."""
-    running = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                running.add(pid)
-        except OSError:
-            continue
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def start_times(pids: set[int]) -> dict[int, str]:
+    """Each process's start time, by pid: with it, a pid the kernel has handed to a new process (pid_max is
+    32768 here, and Ray's threads take ids from the same range) is not taken for the one that ended."""
+    return {pid: fields[19] for pid in pids if (fields := stat_fields(pid))}
+
+
+def alive(processes: dict[int, str]) -> dict[int, str]:
+    """Those of ``processes`` (pid: start time) still running, with their command lines; a zombie, or a
+    pid that now names another process, counts as gone."""
+    running = {}
+    for pid, started in processes.items():
+        fields = stat_fields(pid)
+        if fields and fields[0] != "Z" and fields[19] == started:
+            with contextlib.suppress(OSError):
+                running[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
     return running
 
 
