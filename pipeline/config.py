@@ -114,6 +114,22 @@ class TrainConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Where training starts and what of the model trains (README, "Fine-tuning"); weights are read on the
+    driver before Ray starts, as tensors only."""
+
+    # null: random weights. Else a torchvision weight name for model._target_ (IMAGENET1K_V1, DEFAULT), a
+    # state dict or checkpoint.pt file, or an MLflow model: runs:/RUN_ID/model, models:/NAME@ALIAS, models:/NAME/1
+    weights: Optional[str] = None
+    # parameter-name patterns (fnmatch) of the head, which starts fresh where its shape differs from the
+    # weights' (another class count); empty: the model's last layer with parameters (README names it)
+    head: list[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)  # parameter-name patterns kept as loaded, e.g. "conv1.*"
+    # the rest of the model (the backbone) learns at this fraction of the head's rate (optim.lr, the schedule's)
+    backbone_lr_scale: float = 1.0
+
+
+@dataclass
 class ScalingConfig:
     num_workers: int = 2
     use_gpu: bool = False
@@ -167,7 +183,11 @@ class TrackingConfig:
     uri: Optional[str] = "${oc.env:MLFLOW_TRACKING_URI,null}"  # null: sqlite in paths.outputs
     experiment_name: Optional[str] = None  # null: the +experiment=NAME chosen, else "default"
     run_name: Optional[str] = None
-    log_model: bool = True
+    log_model: bool = True  # the best checkpoint's weights (train.checkpoint_metric; else the last) as model/
+    # register the logged model as a version of this registered model, and move register_alias to it (a
+    # sweep's: to its best job's version); load it back as models:/NAME@ALIAS
+    register_as: Optional[str] = None
+    register_alias: str = "champion"
     log_every_n_steps: int = 50  # rank 0's batch loss as train_loss_step (MLflow step: global step); 0: off
     system_metrics_s: Optional[float] = 10.0  # MLflow's system metrics (CPU, memory, GPU) every N s; null: off
     data_wait_warning: float = 0.2  # an epoch whose data_wait_fraction is above this says so (console, MLflow)
@@ -186,7 +206,8 @@ class RayConfig:
 
 @dataclass
 class PredictConfig:
-    run: Optional[str] = None  # MLflow run (name or id) whose model predicts; null: the newest finished one
+    # whose model predicts: a run's name or id, or models:/NAME@ALIAS (runs:/ID/model); null: the newest finished run
+    run: Optional[str] = None
     checkpoint: Optional[str] = None  # a checkpoint.pt (or its directory) instead of the run's logged model
     source: str = "${source.valid}"  # parquet to predict over: a directory, file, glob or s3:// URI
     output: Optional[str] = None  # predictions directory, local or s3://; null: <run dir>/predictions
@@ -217,6 +238,7 @@ class PipelineConfig:
     transforms: TransformsConfig = field(default_factory=TransformsConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: Any = MISSING
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     optim: Any = MISSING
     scheduler: Optional[Any] = None
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -438,6 +460,13 @@ def check_values(cfg: dict) -> None:
         f"train.checkpoint_mode must be max, min or null, got {train['checkpoint_mode']!r}.",
     )
     _require(train["accumulate"] >= 1, f"train.accumulate must be >= 1, got {train['accumulate']}.")
+    tracking = cfg["tracking"]
+    _require(
+        tracking["register_as"] is None or tracking["log_model"],
+        "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
+    )
+    scale = cfg["finetune"]["backbone_lr_scale"]
+    _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
     _require(
         train["grad_clip"] is None or train["grad_clip"] > 0,
         f"train.grad_clip must be > 0 or null, got {train['grad_clip']}.",

@@ -91,8 +91,13 @@ def actor_options(predict: dict, use_gpu: bool) -> dict:
 
 
 def trained_run(client, experiment: str, name_or_id: str | None):
-    """The run to predict with: ``name_or_id`` (a run id, else the newest run of that name), or the
-    experiment's newest finished training run."""
+    """The run to predict with: ``name_or_id`` (an MLflow model URI, a run id, else the newest run of that
+    name), or the experiment's newest finished training run."""
+    if name_or_id is not None and name_or_id.startswith(tracking.MODEL_URI_SCHEMES):
+        try:  # models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model: the run that logged it
+            return client.get_run(tracking.model_source(client, name_or_id)[0])
+        except MlflowException as err:
+            raise PipelineError(f"predict.run: no MLflow model {name_or_id} in this store ({err.message}).") from err
     if name_or_id is not None:
         try:
             return client.get_run(name_or_id)

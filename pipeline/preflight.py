@@ -13,17 +13,20 @@ import ray
 from pipeline import build, cluster, source, tracking
 from pipeline.config import PipelineError, check_targets
 from pipeline.filesystems import make_dir
+from pipeline.finetune import Initial
 
 
-def checked(cfg: dict) -> dict[str, source.Split]:
+def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
     """Config, data and storage checks, then Ray started or joined and the checks that need it: the
     job fits a local runtime; every node of a cluster reaches the storage and data. The checked
-    splits, or a PipelineError before anything is recorded.
+    splits and the weights training starts from (``finetune.weights``, read before Ray starts), or a
+    PipelineError before anything is recorded.
 
     Ray's start mostly waits on the processes it launches, so a helper thread meanwhile imports and
     checks the ``_target_`` callables and opens the MLflow store (a new SQLite store creates its
     tables), work that would otherwise come one after the other."""
     splits = build.sources(cfg)
+    initial = build.start_weights(cfg)
     storage = cfg["storage"]["path"]
     if storage is not None:
         make_dir(storage, cfg["storage"]["s3"], "storage.path")
@@ -40,7 +43,7 @@ def checked(cfg: dict) -> dict[str, source.Split]:
         check_resources(ray.cluster_resources(), wanted, build.transform_cpus(splits))
     shared = {f"source.{name}": split.files[0] for name, split in splits.items() if split.local}
     cluster.check_shared(wanted.address, {**shared, "storage.path": storage})
-    return splits
+    return splits, initial
 
 
 def check_resources(available: dict[str, float], wanted: cluster.Runtime, transform_cpus: float) -> None:

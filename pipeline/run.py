@@ -19,6 +19,7 @@ from ray.exceptions import RayError
 from pipeline import console, events, filesystems, preflight, preprocess, source, task, tracking, trainer
 from pipeline.build import Job
 from pipeline.config import PipelineError
+from pipeline.finetune import Initial
 from pipeline.tracking import Tracker
 from pipeline.worker import CHECKPOINT_FILE
 
@@ -30,7 +31,7 @@ def run(cfg: dict, job: Job) -> dict:
     job.run_dir = os.path.abspath(job.run_dir)
     console.quiet_libraries()
     try:
-        splits = preflight.checked(cfg)
+        splits, initial = preflight.checked(cfg)
         plan = preprocess.cache_plan(cfg, splits)
         baseline = task.constant_baseline(cfg["task"], source.labels(splits["valid"]))
         # with ingest.standardize, a pass over the training split: a value it cannot use fails here
@@ -44,7 +45,7 @@ def run(cfg: dict, job: Job) -> dict:
         tracker = Tracker.open(cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
-            train(cfg, job, data, splits, tracker)
+            train(cfg, job, data, splits, initial, tracker)
             verdict = task.no_learning(cfg["task"], tracker.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
@@ -59,22 +60,36 @@ def run(cfg: dict, job: Job) -> dict:
     return {k: tracker.last[k] for k in tracker.metrics}
 
 
-def train(cfg: dict, job: Job, data: preprocess.TrainingData, splits: dict, tracker: Tracker) -> None:
-    """Fit on ``data``, every epoch to ``tracker``, then the final model logged."""
+def train(
+    cfg: dict, job: Job, data: preprocess.TrainingData, splits: dict, initial: Initial | None, tracker: Tracker
+) -> None:
+    """Fit on ``data`` from ``initial``'s weights (None: random ones), every epoch to ``tracker``, then the
+    best checkpoint's model logged (and registered, with ``tracking.register_as``)."""
     tracker.log_data(splits, data.statistics)
+    if initial is not None:
+        log.info("finetune: %s", initial.summary())
+        tracker.log_start_weights(initial)
     reporter = report_cache(data, tracker)
     tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
     storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
     tracker.set_storage(storage.uri)
     steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
     progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
-    result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress))
+    result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress), initial)
     reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
     if tracker.last is None:
         raise PipelineError("training finished without reporting an epoch.")
-    if cfg["tracking"]["log_model"] and result.checkpoint is not None:
-        with result.checkpoint.as_directory() as path:
+    metric, checkpoint = cfg["train"]["checkpoint_metric"], result.checkpoint  # the best, or else the last
+    if metric is not None:
+        checkpoint = result.get_best_checkpoint(metric, trainer.checkpoint_mode(cfg["train"], cfg["task"]))
+    if cfg["tracking"]["log_model"] and checkpoint is not None:
+        with checkpoint.as_directory() as path:
             tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
+        name = cfg["tracking"]["register_as"]
+        if name is not None:  # a sweep's alias goes to its best job's version when it ends (sweep.py)
+            alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]
+            version = tracker.register(name, alias)
+            log.info("registered as %s version %s%s", name, version, f" (models:/{name}@{alias})" if alias else "")
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:

@@ -383,13 +383,21 @@ SKIMAGE_PHOTOS = (
 )
 
 
-def write_photos(root: str, rows: int = 6400, files: int = 16, gray_fraction: float = 0.05, seed: int = 0) -> None:
-    """Write a photo-like JPEG set at real sizes as ``<root>/photos/{train,valid}/*.parquet`` (``image``
+def write_photos(
+    root: str,
+    rows: int = 6400,
+    files: int = 16,
+    gray_fraction: float = 0.05,
+    seed: int = 0,
+    classes: int = 10,
+    name: str = "photos",
+) -> None:
+    """Write a photo-like JPEG set at real sizes as ``<root>/<name>/{train,valid}/*.parquet`` (``image``
     bytes, int ``label``), from ten colour photographs that scikit-learn and scikit-image ship (nothing is
     downloaded). Each row is a random window of one photograph (20-100% of its area), rescaled to a
     shorter side of 256-512 pixels and an aspect up to 4:3 either way, a ``gray_fraction`` of them
-    grayscale, at JPEG quality 75-95; the label is the photograph (10 classes). ``rows`` training rows
-    in ``files`` files, a tenth as many for validation, shuffled."""
+    grayscale, at JPEG quality 75-95; the label is the photograph (the first ``classes`` of the ten).
+    ``rows`` training rows in ``files`` files, a tenth as many for validation, shuffled."""
     import skimage.data
     from PIL import Image
     from sklearn.datasets import load_sample_images
@@ -398,13 +406,13 @@ def write_photos(root: str, rows: int = 6400, files: int = 16, gray_fraction: fl
     for name in SKIMAGE_PHOTOS:
         photo = getattr(skimage.data, name)()
         photos.append(photo[0] if isinstance(photo, tuple) else photo)  # stereo_motorcycle: (left, right, disparity)
-    photos = [Image.fromarray(photo).convert("RGB") for photo in photos]
+    photos = [Image.fromarray(photo).convert("RGB") for photo in photos[:classes]]
     rng = np.random.default_rng(seed)
     for split, count in (("train", rows), ("valid", max(rows // 10, 1))):
         labels = rng.permutation(np.arange(count) % len(photos))
         images = [photo_window(photos[label], rng, gray_fraction) for label in labels]
         table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(labels, pa.int64())})
-        write_parts(table, Path(root) / "photos" / split, rows_per_file=-(-count // files))
+        write_parts(table, Path(root) / name / split, rows_per_file=-(-count // files))
 
 
 def photo_window(photo, rng: np.random.Generator, gray_fraction: float) -> bytes:

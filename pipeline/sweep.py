@@ -100,6 +100,13 @@ class SweepSummary(Callback):
             client.set_tag(parent, "pipeline.best_run_id", best["run_id"])
             client.set_tag(parent, "pipeline.best_run_name", best["name"])
             client.log_metric(parent, f"best_{metric}", best["value"])
+            name = config.tracking.register_as
+            version = tracking.registered_version(client, name, best["run_id"]) if name else None
+            if version is not None:
+                client.set_registered_model_alias(name, config.tracking.register_alias, version)
+                log.info(
+                    "models:/%s@%s is version %s (job %s)", name, config.tracking.register_alias, version, best["name"]
+                )
         tracking.end_run(client, parent, "FAILED" if failed or best is None else "FINISHED")
         log.info("sweep %s: %d jobs, %d failed\n%s", sweep_dir, len(jobs), len(failed), format_table(jobs, metric))
         if best is not None:

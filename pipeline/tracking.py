@@ -51,6 +51,7 @@ STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the 
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
+START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
 
 
@@ -326,6 +327,56 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
         client.log_artifact(run_id, path, "model")
 
 
+MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@ALIAS, models:/NAME/VERSION
+
+
+def model_source(client: MlflowClient, uri: str) -> tuple[str, str]:
+    """The run and artifact path an MLflow model URI names (a registered version's, for ``models:/``)."""
+    if uri.startswith("runs:/"):
+        run_id, _, path = uri.removeprefix("runs:/").partition("/")
+        return run_id, path
+    name, alias = uri.removeprefix("models:/").rstrip("/"), None
+    if "@" in name:
+        name, alias = name.split("@", 1)
+    else:
+        name, _, version = name.rpartition("/")
+    version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+    return model_source(client, version.source) if version.source.startswith("runs:/") else (version.run_id, "model")
+
+
+def download_model(client: MlflowClient, uri: str, into: str) -> str:
+    """The files of the MLflow model ``uri`` names, downloaded into the directory ``into``; their path."""
+    try:
+        run_id, path = model_source(client, uri)
+        return client.download_artifacts(run_id, path, into)
+    except (MlflowException, OSError, ValueError) as err:
+        raise PipelineError(
+            f"cannot read the MLflow model {uri} from the store {redact(client.tracking_uri)} ({err}). "
+            "runs:/RUN_ID/model names a run's logged model; models:/NAME@ALIAS or models:/NAME/VERSION "
+            "a registered one (tracking.register_as)."
+        ) from err
+
+
+def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
+    """The version of the registered model ``name`` that the run registered, if any."""
+    versions = client.search_model_versions(f"run_id = '{run_id}'")  # a run id is hex: no quoting needed
+    return max((v.version for v in versions if v.name == name), key=int, default=None)
+
+
+def register_model(client: MlflowClient, run_id: str, name: str, alias: str | None) -> str:
+    """The run's logged model as a new version of the registered model ``name`` (created the first time),
+    with ``alias`` moved to it when given; the version."""
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(name, source=f"runs:/{run_id}/model", run_id=run_id).version
+    if alias:
+        client.set_registered_model_alias(name, alias, version)
+    return version
+
+
 def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
     """``learning_curve.png``: train/val loss and the task's first metric against epoch, as the store holds them."""
     import matplotlib
@@ -479,6 +530,14 @@ class Tracker:
         """What the run trains and validates on (a resumed run logged it on its first start)."""
         if self.resume_from is None:
             log_data(self.client, self.run_id, splits, statistics)
+
+    def register(self, name: str, alias: str | None) -> str:
+        """The logged model as a new version of the registered model ``name``, ``alias`` moved to it; the version."""
+        return register_model(self.client, self.run_id, name, alias)
+
+    def log_start_weights(self, initial) -> None:
+        """Where the weights came from, and which of the head's started fresh (a :class:`pipeline.finetune.Initial`)."""
+        self.client.set_tag(self.run_id, START_WEIGHTS_TAG, redact(initial.summary())[:MAX_TAG_LENGTH])
 
     def log_cache(self, plan) -> None:
         """What ``ingest.cache`` kept (a :class:`pipeline.preprocess.CachePlan`): the ``pipeline.cache`` tag,

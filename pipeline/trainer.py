@@ -16,6 +16,7 @@ from ray.util.queue import Queue
 
 from pipeline.events import EventHandler, ReportRelay, relayed
 from pipeline.filesystems import RunStorage
+from pipeline.finetune import Initial
 from pipeline.metrics import lower_is_better
 from pipeline.preprocess import TrainingData
 from pipeline.workarounds import explain, fit_off_main_thread
@@ -51,9 +52,12 @@ def data_config(cfg: dict) -> DataConfig:
     return DataConfig(execution_options=execution_options)
 
 
-def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Queue, callbacks: list) -> TorchTrainer:
+def build_trainer(
+    cfg: dict, data: TrainingData, storage: RunStorage, events: Queue, callbacks: list, initial: Initial | None
+) -> TorchTrainer:
     """A TorchTrainer for the resolved config; workers send their events to ``events``; ``callbacks``
-    run in Ray Train's controller besides the one that relays each report to ``events``."""
+    run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
+    (the weights training starts from) goes to Ray's object store once, for every worker."""
     scaling_config, torch_config = trainer_settings(cfg["scaling"])
     return TorchTrainer(
         train_loop_per_worker,
@@ -63,6 +67,7 @@ def build_trainer(cfg: dict, data: TrainingData, storage: RunStorage, events: Qu
             "epoch_counter": data.epoch_counter,
             "statistics": data.statistics,
             "steps_per_epoch": epoch_steps(cfg, data),
+            "initial": ray.put(initial) if initial is not None else None,
         },
         scaling_config=scaling_config,
         torch_config=torch_config,
@@ -98,14 +103,20 @@ def epoch_steps(cfg: dict, data: TrainingData) -> int:
 
 
 def fit(
-    cfg: dict, data: TrainingData, storage: RunStorage, handler: EventHandler, callbacks: tuple = ()
+    cfg: dict,
+    data: TrainingData,
+    storage: RunStorage,
+    handler: EventHandler,
+    initial: Initial | None = None,
+    callbacks: tuple = (),
 ) -> ray.train.Result:
     """Train to the end, handing every worker event to ``handler`` (:class:`pipeline.events.Handler` for
-    a job; a Tune trial's own, see ``trial.py``); a worker or controller failure becomes one PipelineError naming
-    its cause. ``callbacks``: more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
+    a job; a Tune trial's own, see ``trial.py``); a worker or controller failure becomes one PipelineError
+    naming its cause. ``initial``: the weights training starts from (None: random ones). ``callbacks``:
+    more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
     events = Queue(actor_options={"num_cpus": 0})
     try:
-        trainer = build_trainer(cfg, data, storage, events, list(callbacks))
+        trainer = build_trainer(cfg, data, storage, events, list(callbacks), initial)
         with relayed(events, handler):
             try:
                 return fit_off_main_thread(trainer)

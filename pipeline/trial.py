@@ -41,7 +41,8 @@ def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> Non
     with preprocess.training_data(cfg, build.sources(cfg)) as data:
         trial_id = tune.get_context().get_trial_id()
         storage = filesystems.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
-        trainer.fit(cfg, data, storage, TrialEvents(), callbacks=(TuneReportCallback(),))
+        initial = build.start_weights(cfg)  # read where the trial runs: any node of the cluster
+        trainer.fit(cfg, data, storage, TrialEvents(), initial, callbacks=(TuneReportCallback(),))
 
 
 class TrialEvents:

@@ -70,7 +70,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
         raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
 
     resolved = {name: OmegaConf.to_container(base, resolve=True) for name, base in bases.items()}
-    splits = {name: preflight.checked(cfg) for name, cfg in resolved.items()}
+    splits = {name: preflight.checked(cfg)[0] for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
     metric = first["optimized_metric"]
     experiment = tracking.experiment_choice(config.hydra.runtime.choices)

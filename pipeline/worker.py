@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from pipeline import finetune
+from pipeline.finetune import Initial
 from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.metrics import LOSSES, lower_is_better
 from pipeline.source import Layout
@@ -53,7 +55,8 @@ def train_loop_per_worker(config: dict) -> None:
     first = train_batches(cfg, start, epoch_counter, statistics, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
     updates = -(-config["steps_per_epoch"] // cfg["train"]["accumulate"])  # optimizer steps per epoch
-    replica = Replica.build(cfg, device, epochs * updates, statistics)
+    initial = ray.get(config["initial"]) if config["initial"] is not None else None  # finetune.weights, matched
+    replica = Replica.build(cfg, device, epochs * updates, statistics, initial)
     stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
     if state is not None:
         replica.load_state_dict(state)
@@ -102,14 +105,25 @@ class Replica:
     on_nonfinite: str  # train.on_nonfinite: raise or skip
 
     @classmethod
-    def build(cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None) -> Replica:
-        """The configured model, loss, optimizer and schedule, seeded with ``train.seed`` (every rank alike)."""
+    def build(
+        cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None, initial: Initial | None = None
+    ) -> Replica:
+        """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
+        with ``train.seed`` (every rank alike)."""
         torch.manual_seed(cfg["train"]["seed"])
-        model = ray.train.torch.prepare_model(instantiate(cfg["model"], _convert_="all"))
-        optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
+        bare = finetune.build_model(cfg["model"], cfg["finetune"], initial)  # random weights, or the given ones
+        model = ray.train.torch.prepare_model(bare)
+        optimizer = instantiate(cfg["optim"], _partial_=True, _convert_="all")(
+            finetune.param_groups(bare, cfg["finetune"])
+        )
+        for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
+            group["lr"] *= group["lr_scale"]
         scheduler = None
         if cfg["scheduler"] is not None:
-            scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total_steps, _convert_="all")
+            schedule = instantiate(cfg["scheduler"], _partial_=True, _convert_="all")
+            scheduler = schedule(
+                optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg["scheduler"], optimizer)
+            )
         autocast, scaler = autocast_settings(device, cfg["train"])
         layout, recipe = Layout.of(cfg["source"]), (cfg["train"]["grad_clip"], cfg["train"]["on_nonfinite"])
         task = Task(cfg["task"])
