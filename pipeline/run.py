@@ -51,12 +51,7 @@ def run(cfg: dict, job: Job) -> dict:
                 log.warning("%s", verdict)
                 tracker.flag_no_learning(verdict)
     metric = cfg["optimized_metric"]
-    log.info(
-        "finished: %s %.4f; browse with: mlflow ui --backend-store-uri %s",
-        metric,
-        tracker.last[metric],
-        tracking.redact(tracker.uri),
-    )
+    log.info("finished: %s %.4f; %s", metric, tracker.last[metric], tracking.run_link(tracker.uri, tracker.run_id))
     return {k: tracker.last[k] for k in tracker.metrics}
 
 

@@ -403,8 +403,8 @@ def write_photos(
     from sklearn.datasets import load_sample_images
 
     photos = list(load_sample_images().images)
-    for name in SKIMAGE_PHOTOS:
-        photo = getattr(skimage.data, name)()
+    for photo_name in SKIMAGE_PHOTOS:
+        photo = getattr(skimage.data, photo_name)()
         photos.append(photo[0] if isinstance(photo, tuple) else photo)  # stereo_motorcycle: (left, right, disparity)
     photos = [Image.fromarray(photo).convert("RGB") for photo in photos[:classes]]
     rng = np.random.default_rng(seed)

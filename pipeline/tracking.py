@@ -84,6 +84,20 @@ def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
     return client, resolved
 
 
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+UI_VIEW = "workflowType=machine_learning"  # the UI's "Model training" view (it opens in its GenAI one)
+
+
+def run_link(uri: str, run_id: str) -> str:
+    """How to see a run in MLflow's UI: its page, in the training view, on the tracking server, or on the
+    ``mlflow ui`` a file store needs (the command to start it first)."""
+    experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
+    page = f"#/experiments/{experiment}/runs/{run_id}?{UI_VIEW}"
+    if uri.startswith(("http://", "https://")):
+        return f"see it at {redact(uri).rstrip('/')}/{page}"
+    return f"see it with `mlflow ui --backend-store-uri {redact(uri)}` at {UI_ADDRESS}/{page}"
+
+
 def check_server(uri: str) -> None:
     """Fail within seconds when no MLflow server answers at ``uri``: MLflow's client retries an
     unreachable server with backoff for minutes before it gives up. Any HTTP answer will do."""

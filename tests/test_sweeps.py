@@ -22,6 +22,7 @@ GRID = [
     "ingest.batch_size=64",
     "source.limit=256",
     "scaling.num_workers=1",  # DDP over two workers: the other tests' runs
+    "tracking.register_as=smoke_vit",  # each job's model a version; champion: the best job's
     "hydra.sweep.dir=sweep",
 ]
 
@@ -77,7 +78,8 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     assert [c.info.status for c in children] == ["FINISHED", "FAILED"]
     assert "train.epochs must be >= 1, got 0" in children[1].data.tags["pipeline.error"]
     assert children[0].info.run_name == (
-        "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256 scaling.num_workers=1"
+        "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256 scaling.num_workers=1 "
+        "tracking.register_as=smoke_vit"
     )
     for child in children:
         assert child.data.tags["pipeline.overrides"].startswith("+experiment=smoke optim.lr=")
@@ -86,6 +88,8 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     assert {"learning_curve.png", "config.yaml", "model"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id
     assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
+    champion = client.get_model_version_by_alias("smoke_vit", "champion")  # moved there as the sweep ended
+    assert champion.run_id == best.info.run_id and champion.source == f"runs:/{best.info.run_id}/model"
 
 
 def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_goes_on(tmp_path, data_root):
@@ -178,7 +182,10 @@ def mlflow_ui(grid_sweep):
     not (shutil.which("chromium") and shutil.which("chromedriver")),
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
-def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
+def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_path):
+    """The link the run's last console line gives opens the run in the UI's "Model training" view (MLflow
+    3.17 opens in its GenAI one), with its metrics, charts and registered model; the experiment's table
+    shows the sweep."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
@@ -189,6 +196,11 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     child = next(r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" in r.data.tags)
+    output = grid_sweep[1].stdout + grid_sweep[1].stderr
+    (link,) = re.findall(r"see it with `mlflow ui --backend-store-uri \S+` at (http://127.0.0.1:5000/\S+)", output)
+    assert link.endswith(
+        f"#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}?workflowType=machine_learning"
+    )
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
@@ -206,24 +218,31 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, tmp_path):
     ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    text = lambda: driver.find_element("tag name", "body").text  # noqa: E731
+    accuracy = f"{child.data.metrics['val_accuracy']:.4g}"[:4]
     try:
         wait = WebDriverWait(driver, 60)
-        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs")  # the training-runs table
-        wait.until(lambda d: parent.info.run_name in d.find_element("tag name", "body").text)
-        assert "3 matching runs" in driver.find_element("tag name", "body").text  # the parent and 2 children
-        driver.save_screenshot(str(tmp_path / "experiment.png"))
-
-        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}")
-        accuracy = f"{child.data.metrics['val_accuracy']:.4g}"[:4]
+        driver.get(link.replace("http://127.0.0.1:5000", url))  # the test's server, on a free port
         wait.until(
-            lambda d: (
-                child.info.run_name in d.find_element("tag name", "body").text
-                and "val_accuracy" in d.find_element("tag name", "body").text
-            )
+            lambda d: child.info.run_name in text() and "val_accuracy" in text() and "Registered models" in text()
         )
-        body = driver.find_element("tag name", "body").text
+        run_page = text()
         driver.save_screenshot(str(tmp_path / "run.png"))
+        driver.find_element("xpath", "//*[text()='Model metrics']").click()  # the run's charts
+        wait.until(lambda d: len(d.find_elements("css selector", "svg.main-svg")) >= 4)  # plotly's, one per chart
+        charts = text()
+        driver.save_screenshot(str(tmp_path / "charts.png"))
+
+        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning")  # the table
+        wait.until(lambda d: parent.info.run_name in text())
+        table = text()
+        driver.save_screenshot(str(tmp_path / "experiment.png"))
     finally:
         driver.quit()
-    assert child.info.run_name in body and "val_accuracy" in body and accuracy in body
-    assert (tmp_path / "experiment.png").stat().st_size > 10_000
+    # the training view's navigation (Runs, Models, Model registry), not the GenAI one's (Judges, Sessions)
+    assert "Model registry" in run_page and "Judges" not in run_page and "Sessions" not in run_page
+    assert child.info.run_name in run_page and accuracy in run_page
+    assert "Registered models\nsmoke_vit\nv1" in run_page  # the model version it registered
+    assert "data_wait_fraction" in charts  # a chart per metric, by name
+    assert "3 matching runs" in table and "Judges" not in table  # the parent and 2 children
+    assert (tmp_path / "run.png").stat().st_size > 10_000
