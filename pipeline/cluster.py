@@ -114,6 +114,8 @@ def start_ray(
         )
     except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
         raise unreachable(address, err) from err
+    if address is None:
+        workarounds.end_agents_at_exit()
     resources = ray.cluster_resources()
     log.info(
         "Ray runtime up (%s): %d node(s), %g CPU, %g GPU",

@@ -5,8 +5,11 @@ All run on the driver.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
+import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +34,52 @@ def local_runtime_settings() -> None:
     """
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+RAYLET_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # process titles
+
+
+def end_agents_at_exit() -> None:
+    """End the raylet's two agent processes with the command, right after a local ``ray.init``.
+
+    Ray 2.60: at exit ``ray.shutdown`` gives the raylet 1 s to end after SIGTERM, then SIGKILLs it (on a
+    loaded machine it needs longer). Its agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) then
+    take the raylet's end for a crash and report it to the GCS, which has ended too, and wait out that
+    report's 60 s timeout: orphans of a command that has exited. This records them now; at exit, after
+    shutting Ray down first, it ends those still running. Linux only (/proc); elsewhere nothing."""
+    agents = {pid: title for pid, title in descendants(os.getpid()).items() if title.startswith(RAYLET_AGENTS)}
+
+    def end() -> None:
+        ray.shutdown()
+        for pid, title in agents.items():
+            if process_title(pid) == title:  # still that process, not a new one with its pid
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+
+    atexit.register(end)  # before Ray's own shutdown at exit (atexit runs the newest first)
+
+
+def process_title(pid: int) -> str | None:
+    """A process's command line, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below ``pid``, by pid: their command lines ({} without /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry.name}/stat") as stat:
+            children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = process_title(child) or ""
+            todo.append(child)
+    return found
 
 
 _stop_requests: list[BaseException] = []

@@ -75,6 +75,20 @@ def test_the_controller_settings_a_local_runtime_changes_are_still_read_from_the
     assert constants.DEFAULT_HEALTH_CHECK_INTERVAL_S == 2.0
 
 
+def test_shutdown_kills_a_slow_raylet_after_a_second_and_its_agents_report_its_end_for_a_minute():
+    """Workaround: ``end_agents_at_exit``. ``ray.shutdown`` gives each process it started 1 s after SIGTERM
+    before SIGKILL (a raylet on a loaded machine needs longer), and an agent that finds its raylet gone
+    without a graceful end reports it to the GCS with a 60 s timeout before it exits."""
+    import inspect
+
+    from ray._private import node, process_watcher, utils  # private on purpose: this test watches them
+
+    assert "wait_timeout_seconds = 1\n" in inspect.getsource(node.Node._kill_process_impl)
+    assert "report_raylet_error_logs(log_dir, gcs_client)" in inspect.getsource(process_watcher._check_parent)
+    assert "publish_error_to_driver(" in inspect.getsource(process_watcher.report_raylet_error_logs)
+    assert "message, job_id, 60)" in inspect.getsource(utils.publish_error_to_driver)
+
+
 def report_epochs_forever(config: dict) -> None:
     group = ray.util.get_current_placement_group().id.hex()
     for epoch in range(1000):
