@@ -48,7 +48,7 @@ def main(cfg: DictConfig) -> float | None:
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
     signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
     signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
-    stage = predict.run if cfg.stage == "predict" else run.run
+    stage = predict.run if cfg.stage in ("predict", "evaluate") else run.run
     try:
         source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
         metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)

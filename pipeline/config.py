@@ -248,7 +248,9 @@ class PipelineConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
-    stage: str = "train"  # train, or predict with a trained run's model (the predict section)
+    # train; predict with a trained run's model (the predict section); evaluate: predict over labelled rows,
+    # plus a confusion matrix and per-class precision, recall and F1 (a residual plot for regression)
+    stage: str = "train"
     predict: PredictConfig = field(default_factory=PredictConfig)
     optimized_metric: str = "val_${task.metrics[0]}"  # what the entry point returns to a sweeper (Optuna)
 
@@ -515,7 +517,10 @@ def check_values(cfg: dict) -> None:
         _require(s3["connect_timeout_s"] > 0 and s3["request_timeout_s"] > 0, f"{key}: timeouts must be > 0.")
     limit = cfg["source"]["limit"]
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
-    _require(cfg["stage"] in ("train", "predict"), f"stage must be train or predict, got {cfg['stage']!r}.")
+    _require(
+        cfg["stage"] in ("train", "predict", "evaluate"),
+        f"stage must be train, predict or evaluate, got {cfg['stage']!r}.",
+    )
     predict = cfg["predict"]
     _require(
         predict["batch_size"] >= 1 and predict["concurrency"] >= 1,

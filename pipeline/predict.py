@@ -1,6 +1,7 @@
 """Predict stage: a trained run's model over a parquet source, as a Ray Data actor pool.
 
-``python -m pipeline +experiment=NAME stage=predict [predict.run=RUN]``. Each actor builds the model
+``python -m pipeline +experiment=NAME stage=predict [predict.run=RUN]`` (``stage=evaluate``: the same, over
+a labelled source, plus where the model errs: :mod:`pipeline.evaluate`). Each actor builds the model
 from the training run's logged config and loads its weights once, then labels batches as the
 source's rows stream past the same decode steps validation used. Predictions are written as parquet;
 the job is an MLflow run nested under the training run, with accuracy when the source has labels.
@@ -17,6 +18,7 @@ import tempfile
 import time
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
@@ -26,7 +28,7 @@ from hydra.utils import instantiate
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, preprocess, source, tracking, workarounds, worker
+from pipeline import cluster, console, evaluate, preprocess, source, tracking, workarounds, worker
 from pipeline.config import PipelineError, active_steps, validate
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
@@ -165,11 +167,14 @@ def check_output(uri: str, s3: dict) -> None:
     fs.create_dir(path, recursive=True)
 
 
-def score(uri: str, s3: dict, label: str | None, task: dict, seconds: float) -> dict:
-    """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...),
-    read back from the written predictions."""
+def written(uri: str, s3: dict, label: str | None) -> pa.Table:
+    """The predictions (and labels) as written, read back."""
     fs, path = locate(uri, s3, "predict.output")
-    table = pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
+    return pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
+
+
+def score(table: pa.Table, label: str | None, task: dict, seconds: float) -> dict:
+    """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...)."""
     metrics = {"predict_rows": table.num_rows, "predict_throughput": table.num_rows / seconds}
     if label is not None and table.num_rows:
         found = prediction_metrics(task, table["prediction"].to_numpy(), table[label].to_numpy())
@@ -200,6 +205,11 @@ def run(cfg: dict, job) -> dict:
     split = source.check_split("predict.source", predict["source"], *place, layout.inputs)
     split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
     label = layout.label if layout.label in split.columns else None
+    if cfg["stage"] == "evaluate" and label is None:
+        raise PipelineError(
+            f"stage=evaluate compares predictions with labels, but predict.source {predict['source']} has no "
+            f"column {layout.label!r} (source.label_column)."
+        )
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
     cluster.connect(cluster.runtime(cfg["ray"], cfg["scaling"]))
@@ -211,7 +221,7 @@ def run(cfg: dict, job) -> dict:
         store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
     parent = model_run.info.run_id if model_run else None
-    tags = {STAGE_TAG: "predict", PREDICTIONS_TAG: output}
+    tags = {STAGE_TAG: cfg["stage"], PREDICTIONS_TAG: output}
     run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
     tracking.log_data(client, run_id, {"prediction": split}, None)
     with tracking.recorded(client, run_id):
@@ -241,7 +251,11 @@ def run(cfg: dict, job) -> dict:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
             raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
-        metrics = score(output, src["s3"], label, task_cfg, time.perf_counter() - started)
+        seconds, table = time.perf_counter() - started, written(output, src["s3"], label)
+        metrics = score(table, label, task_cfg, seconds)
+        if cfg["stage"] == "evaluate":  # where it errs: per class, or its residuals
+            every = classes or list(range(trained_cfg["source"]["num_classes"] or 0))  # what the model can predict
+            metrics |= evaluate.report(client, run_id, table, label, task_cfg, every)
         tracking.log_metrics(client, run_id, metrics, step=0)
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, tracking.redact(output))

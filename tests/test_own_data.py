@@ -4,6 +4,7 @@ a declared task, labels checked before training, and what each run records of it
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from test_pipeline import no_runs_logged, run_cli
 from pipeline import predict, source, tracking
 from pipeline.build import Job
 from pipeline.config import PipelineError, validate
+from pipeline.evaluate import per_class
 from pipeline.run import run
 from pipeline.task import Task, constant_baseline, no_learning
 
@@ -151,8 +153,8 @@ def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predict
     assert accuracy["shuffled"] >= 0.85, accuracy  # chance: about 0.4
     assert abs(accuracy["sorted"] - accuracy["shuffled"]) <= 0.06, accuracy  # two of 36 rows
 
-    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "wine"))
-    training, written = predicted_as_validated(tmp_path / "out", "wine", ("val_accuracy",))
+    predict.run(compose_cfg([*args, "stage=evaluate"]), Job(str(tmp_path / "evaluate"), "wine"))
+    training, written = predicted_as_validated(tmp_path / "out", "wine", ("val_accuracy",), stage="evaluate")
     assert training.data.metrics["val_accuracy"] == accuracy["shuffled"]
     assert training.data.params["source.classes"] == str(sorted(CULTIVARS))  # index order
     assert training.data.params["source.num_classes"] == "3"
@@ -160,6 +162,38 @@ def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predict
     assert set(written["target"].to_pylist()) == set(CULTIVARS)  # the labels, as the data holds them
     checkpoint = sorted(Path(training.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt"))[-1]
     assert torch.load(checkpoint, weights_only=True)["classes"] == sorted(CULTIVARS)
+
+    # stage=evaluate: the confusion matrix and each class's figures, as counted by hand from the written rows
+    client = MlflowClient(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    (evaluation,) = client.search_runs([training.info.experiment_id], "tags.`pipeline.stage` = 'evaluate'")
+    report = json.loads(
+        (Path(client.download_artifacts(evaluation.info.run_id, "per_class.json", str(tmp_path)))).read_text()
+    )
+    assert "confusion_matrix.png" in {a.path for a in client.list_artifacts(evaluation.info.run_id)}
+    truth, guess = np.array(written["target"].to_pylist()), np.array(written["prediction"].to_pylist())
+    assert report["classes"] == sorted(CULTIVARS)
+    for i, name in enumerate(sorted(CULTIVARS)):
+        assert report["confusion_matrix"][i] == [
+            int(np.sum((truth == name) & (guess == other))) for other in sorted(CULTIVARS)
+        ]
+        hits = np.sum((truth == name) & (guess == name))
+        row = report["per_class"][i]
+        assert row["precision"] == pytest.approx(hits / max(np.sum(guess == name), 1))
+        assert row["recall"] == pytest.approx(hits / np.sum(truth == name)) and row["support"] == np.sum(truth == name)
+    f1 = [r["f1"] for r in report["per_class"]]
+    assert evaluation.data.metrics["macro_f1"] == pytest.approx(np.mean(f1))
+
+
+def test_per_class_figures_match_a_hand_count():
+    labels, predicted = np.array(["a", "a", "b", "b", "c"]), np.array(["a", "b", "b", "b", "a"])
+    matrix, rows = per_class(labels, predicted, ["a", "b", "c"])
+    assert matrix.tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 0]]
+    assert [(r["precision"], r["recall"], r["support"]) for r in rows] == [
+        (0.5, 0.5, 2),
+        (2 / 3, 1.0, 2),
+        (0.0, 0.0, 1),
+    ]
+    assert [r["f1"] for r in rows] == pytest.approx([0.5, 0.8, 0.0])  # c: never predicted, never found
 
 
 def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_row(tmp_path):
@@ -297,13 +331,13 @@ def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
     assert digests[0] != digests[1]
 
 
-def predicted_as_validated(outputs: Path, experiment: str, metrics: tuple[str, ...]):
-    """The prediction run in ``outputs`` and the training run whose model it used: both FINISHED, the
-    predictions' metrics equal to that run's last validation metrics, over as many rows. Returns the
-    training run and the written predictions."""
+def predicted_as_validated(outputs: Path, experiment: str, metrics: tuple[str, ...], stage: str = "predict"):
+    """The prediction (or evaluation) run in ``outputs`` and the training run whose model it used: both
+    FINISHED, the predictions' metrics equal to that run's last validation metrics, over as many rows.
+    Returns the training run and the written predictions."""
     client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    (prediction,) = [r for r in runs if r.data.tags.get("pipeline.stage") == "predict"]
+    (prediction,) = [r for r in runs if r.data.tags.get("pipeline.stage") == stage]
     training = client.get_run(prediction.data.tags["mlflow.parentRunId"])
     assert training.info.status == prediction.info.status == "FINISHED"
     for metric in metrics:
@@ -316,8 +350,9 @@ def predicted_as_validated(outputs: Path, experiment: str, metrics: tuple[str, .
 
 @pytest.mark.slow
 def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path, ray_runtime, monkeypatch):
-    """scikit-learn's diabetes data: written to parquet on first use, trained, then predicted with the
-    same standardization (the predictions' metrics equal the last epoch's validation metrics). In-process
+    """scikit-learn's diabetes data: written to parquet on first use, trained, then evaluated with the
+    same standardization (the predictions' metrics equal the last epoch's validation metrics; a residual
+    plot). In-process
     on the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py; classification:
     the class-sorted test above)."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
@@ -331,9 +366,14 @@ def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path,
         f"paths.outputs={tmp_path / 'outputs'}",
     ]
     run(compose_cfg(args), Job(str(tmp_path / "train"), "diabetes_mlp"))
-    predict.run(compose_cfg([*args, "stage=predict"]), Job(str(tmp_path / "predict"), "diabetes_mlp"))
-    training, written = predicted_as_validated(tmp_path / "outputs", "diabetes_mlp", ("val_mae", "val_rmse"))
+    predict.run(compose_cfg([*args, "stage=evaluate"]), Job(str(tmp_path / "evaluate"), "diabetes_mlp"))
+    training, written = predicted_as_validated(
+        tmp_path / "outputs", "diabetes_mlp", ("val_mae", "val_rmse"), "evaluate"
+    )
     assert pa.types.is_floating(written["prediction"].type) and written.num_rows == 88  # none dropped
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (evaluation,) = client.search_runs([training.info.experiment_id], "tags.`pipeline.stage` = 'evaluate'")
+    assert "residuals.png" in {a.path for a in client.list_artifacts(evaluation.info.run_id)}
     assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
     assert "pipeline.no_learning" not in training.data.tags
 
