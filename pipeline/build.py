@@ -1,7 +1,7 @@
 """One training job, built on the driver in the order its parts depend on each other: where it sits
 (:class:`Job`), its checked sources (here), its datasets (:func:`pipeline.preprocess.training_data`),
 its checkpoint storage (:func:`pipeline.filesystems.run_storage`), the weights it starts from
-(:func:`start_weights`), then training
+(:func:`pipeline.finetune.start_weights`), then training
 (:func:`pipeline.trainer.fit`). A run (``run.py``) and a Tune trial (``trial.py``, in a trial actor)
 both build theirs with these functions.
 """
@@ -9,12 +9,11 @@ both build theirs with these functions.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pipeline import finetune, source, tracking
-from pipeline.config import PipelineError, active_steps, check_values
+from pipeline import source
+from pipeline.config import active_steps, check_values
 
 
 @dataclass
@@ -52,18 +51,3 @@ def sources(cfg: dict) -> dict[str, source.Split]:
 def transform_cpus(splits: dict[str, source.Split]) -> float:
     """The most CPUs one transform step of the job asks for (0 without steps)."""
     return max((s["num_cpus"] for split in splits.values() for s in split.steps.values()), default=0)
-
-
-def start_weights(cfg: dict) -> finetune.Initial | None:
-    """The weights the job starts from (``finetune.weights``, read and matched to the model), or None.
-    An MLflow model is downloaded from the job's store first."""
-    weights = cfg["finetune"]["weights"]
-    with tempfile.TemporaryDirectory() as tmp:
-        files = None
-        if weights is not None and weights.startswith(tracking.MODEL_URI_SCHEMES):
-            client, _ = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-            try:
-                files = tracking.download_model(client, weights, tmp)
-            except PipelineError as err:
-                raise PipelineError(f"finetune.weights: {err}") from err
-        return finetune.initial_weights(cfg["model"], cfg["finetune"], files)

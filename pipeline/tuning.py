@@ -276,6 +276,8 @@ class TrialRecorder(tune.Callback):
         if running.cfg["tracking"]["log_model"] and checkpoint:
             with ray.train.Checkpoint(checkpoint, running.storage.filesystem).as_directory() as path:
                 tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
+            if running.cfg["tracking"]["register_as"]:  # the alias: the sweep's best trial's, when it ends
+                tracker.register(running.cfg["tracking"]["register_as"], None)
         tracker.end("FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:

@@ -182,6 +182,7 @@ def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_sto
             f"storage.path={tmp_path / 'storage'}",
             "scaling.resources_per_worker.CPU=0.5",
             "+scaling.resources_per_worker.trial_slot=1",
+            "tracking.register_as=wine",  # every trial's model a version; champion: the best trial's
             "hydra.sweep.dir=sweep",
         ],
         tmp_path,
@@ -211,5 +212,7 @@ def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_sto
     assert best.data.metrics["val_accuracy"] > 0.8 and "pipeline.stopped_early" not in best.data.tags
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
     assert {"config.yaml", "model", "learning_curve.png"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
+    assert client.get_model_version_by_alias("wine", "champion").run_id == best.info.run_id
+    assert len(client.search_model_versions("name = 'wine'")) == 3
     trial = best.data.tags["pipeline.tune_trial_id"]
     assert (tmp_path / "sweep" / trial / "metrics.jsonl").exists()
