@@ -60,7 +60,7 @@ def pretrained(tmp_path_factory, ray_runtime) -> tuple[Path, dict]:
         root / "four",
         root / "outputs",
         4,
-        ["train.epochs=6", "train.checkpoint_metric=val_accuracy", "tracking.register_as=xor", "optim.lr=0.01"],
+        ["train.epochs=4", "train.checkpoint_metric=val_accuracy", "tracking.register_as=xor", "optim.lr=0.01"],
     )
     metrics = run(cfg, Job(str(root / "pretrain"), "finetune"))
     return root, metrics
@@ -94,7 +94,7 @@ def test_a_registered_model_fine_tunes_on_few_rows_of_another_class_count_and_be
     # the 2-class task: 40 training rows, 1,000 to validate on
     write_xor(root / "two" / "train", 40, seed=2, classes=2)
     write_xor(root / "two" / "valid", 1000, seed=3, classes=2)
-    few_rows = ["train.epochs=6", "ingest.batch_size=8", "optim.lr=0.01"]
+    few_rows = ["train.epochs=4", "ingest.batch_size=8", "optim.lr=0.01"]
     tuned_cfg = table_config(
         root / "two",
         root / "outputs",
