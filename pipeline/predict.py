@@ -177,7 +177,9 @@ def score(table: pa.Table, label: str | None, task: dict, seconds: float) -> dic
     """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...)."""
     metrics = {"predict_rows": table.num_rows, "predict_throughput": table.num_rows / seconds}
     if label is not None and table.num_rows:
-        found = prediction_metrics(task, table["prediction"].to_numpy(), table[label].to_numpy())
+        found = prediction_metrics(
+            task["type"], task["metrics"], table["prediction"].to_numpy(), table[label].to_numpy()
+        )
         metrics |= {f"predict_{name}": value for name, value in found.items()}
     return metrics
 

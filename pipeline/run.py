@@ -19,7 +19,6 @@ from ray.exceptions import RayError
 from pipeline import console, events, filesystems, preflight, preprocess, source, task, tracking, trainer
 from pipeline.build import Job
 from pipeline.config import PipelineError
-from pipeline.finetune import Initial
 from pipeline.tracking import Tracker
 from pipeline.worker import CHECKPOINT_FILE
 
@@ -30,10 +29,11 @@ def run(cfg: dict, job: Job) -> dict:
     """Run one experiment from its resolved config; returns the last epoch's metrics."""
     job.run_dir = os.path.abspath(job.run_dir)
     console.quiet_libraries()
+    kind, names = cfg["task"]["type"], cfg["task"]["metrics"]
     try:
         splits, initial = preflight.checked(cfg)
+        baseline = task.constant_baseline(kind, names, source.labels(splits["valid"]))  # what learning must beat
         plan = preprocess.cache_plan(cfg, splits)
-        baseline = task.constant_baseline(cfg["task"], source.labels(splits["valid"]))
         # with ingest.standardize, a pass over the training split: a value it cannot use fails here
         data = preprocess.training_data(cfg, splits, plan)
     except PipelineError as err:
@@ -45,8 +45,27 @@ def run(cfg: dict, job: Job) -> dict:
         tracker = Tracker.open(cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
-            train(cfg, job, data, splits, initial, tracker)
-            verdict = task.no_learning(cfg["task"], tracker.last, baseline)
+            tracker.log_data(splits, data.statistics)
+            if initial is not None:
+                log.info("finetune: %s", initial.summary())
+                tracker.log_start_weights(initial)
+            reporter = report_cache(data, tracker)
+            tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
+            storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
+            tracker.set_storage(storage.uri)
+            steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
+            progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
+            result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress), initial)
+            reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
+            if tracker.last is None:
+                raise PipelineError("training finished without reporting an epoch.")
+            best = cfg["train"]["checkpoint_metric"]  # the best checkpoint by it, or else the last
+            mode = trainer.checkpoint_mode(cfg["train"], cfg["task"])
+            checkpoint = result.get_best_checkpoint(best, mode) if best is not None else result.checkpoint
+            if cfg["tracking"]["log_model"] and checkpoint is not None:
+                alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]  # a sweep's: its best job's
+                log_model(tracker, checkpoint, cfg["tracking"]["register_as"], alias)
+            verdict = task.no_learning(kind, names, tracker.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
                 tracker.flag_no_learning(verdict)
@@ -55,36 +74,16 @@ def run(cfg: dict, job: Job) -> dict:
     return {k: tracker.last[k] for k in tracker.metrics}
 
 
-def train(
-    cfg: dict, job: Job, data: preprocess.TrainingData, splits: dict, initial: Initial | None, tracker: Tracker
-) -> None:
-    """Fit on ``data`` from ``initial``'s weights (None: random ones), every epoch to ``tracker``, then the
-    best checkpoint's model logged (and registered, with ``tracking.register_as``)."""
-    tracker.log_data(splits, data.statistics)
-    if initial is not None:
-        log.info("finetune: %s", initial.summary())
-        tracker.log_start_weights(initial)
-    reporter = report_cache(data, tracker)
-    tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
-    storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
-    tracker.set_storage(storage.uri)
-    steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
-    progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
-    result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress), initial)
-    reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
-    if tracker.last is None:
-        raise PipelineError("training finished without reporting an epoch.")
-    metric, checkpoint = cfg["train"]["checkpoint_metric"], result.checkpoint  # the best, or else the last
-    if metric is not None:
-        checkpoint = result.get_best_checkpoint(metric, trainer.checkpoint_mode(cfg["train"], cfg["task"]))
-    if cfg["tracking"]["log_model"] and checkpoint is not None:
-        with checkpoint.as_directory() as path:
-            tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
-        name = cfg["tracking"]["register_as"]
-        if name is not None:  # a sweep's alias goes to its best job's version when it ends (sweep.py)
-            alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]
-            version = tracker.register(name, alias)
-            log.info("registered as %s version %s%s", name, version, f" (models:/{name}@{alias})" if alias else "")
+def log_model(tracker: Tracker, checkpoint, register_as: str | None, alias: str | None) -> None:
+    """The checkpoint's weights as the run's model; with ``register_as``, a new registered version,
+    ``alias`` moved to it (a sweep moves its alias to its best job's version when it ends: sweep.py)."""
+    with checkpoint.as_directory() as path:
+        tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
+    if register_as is not None:
+        version = tracker.register(register_as, alias)
+        log.info(
+            "registered as %s version %s%s", register_as, version, f" (models:/{register_as}@{alias})" if alias else ""
+        )
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:

@@ -288,19 +288,19 @@ def test_task_metrics_match_their_definitions():
 
 
 def test_a_model_no_better_than_a_constant_prediction_is_named_with_the_constants_score():
-    classification = {"type": "classification", "metrics": ["accuracy", "top2_accuracy"]}
-    baseline = constant_baseline(classification, np.array([0, 2, 2, 1]))
+    classification = ("classification", ["accuracy", "top2_accuracy"])
+    baseline = constant_baseline(*classification, np.array([0, 2, 2, 1]))
     assert baseline == {"val_accuracy": 0.5}  # always class 2; top-k needs scores a constant has not
-    verdict = no_learning(classification, {"val_accuracy": 0.5, "val_top2_accuracy": 0.9}, baseline)
+    verdict = no_learning(*classification, {"val_accuracy": 0.5, "val_top2_accuracy": 0.9}, baseline)
     assert verdict.startswith("val_accuracy 0.5 is no better than always predicting the validation split's most")
-    assert no_learning(classification, {"val_accuracy": 0.75}, baseline) is None
-    regression = {"type": "regression", "metrics": ["mae", "rmse"]}
-    baseline = constant_baseline(regression, np.array([0.0, 4.0, 2.0]))  # always 2
+    assert no_learning(*classification, {"val_accuracy": 0.75}, baseline) is None
+    regression = ("regression", ["mae", "rmse"])
+    baseline = constant_baseline(*regression, np.array([0.0, 4.0, 2.0]))  # always 2
     assert baseline == pytest.approx({"val_mae": 4 / 3, "val_rmse": np.sqrt(8 / 3)})
     assert "val_mae 1.5 is no better than always predicting the validation split's mean (1.333" in no_learning(
-        regression, {"val_mae": 1.5, "val_rmse": 1.0}, baseline
+        *regression, {"val_mae": 1.5, "val_rmse": 1.0}, baseline
     )
-    assert no_learning(regression, {"val_mae": 1.0, "val_rmse": 1.5}, baseline) is None
+    assert no_learning(*regression, {"val_mae": 1.0, "val_rmse": 1.5}, baseline) is None
 
 
 def test_the_task_sets_the_metric_names_and_what_is_optimized():
