@@ -60,7 +60,14 @@ def interrupt_after_first_epoch(
     """Start the command, send ``signum`` once epoch 1 is reported (epoch 2 is under way), and return
     its output and the processes it had started."""
     process = start_cli([*args, "hydra.run.dir=run"], tmp_path, data_root)
-    wait_for_epochs(tmp_path / "run", 1)
+    try:
+        wait_for_epochs(tmp_path / "run", 1)
+    except BaseException:  # the command and its Ray must not outlive a failed test
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()
+        raise
     started = start_times(descendants(process.pid))
     process.send_signal(signum)
     output, _ = process.communicate(timeout=120)
