@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 from mlflow import MlflowClient
 
+from pipeline.config import PipelineError
+
 log = logging.getLogger(__name__)
 
 CONFUSION_ARTIFACT = "confusion_matrix.png"
@@ -57,6 +59,13 @@ def report(client: MlflowClient, run_id: str, table: pa.Table, label: str, task:
         client.log_figure(run_id, fig, RESIDUALS_ARTIFACT)
         plt.close(fig)
         return {}
+    unknown = sorted({str(v) for v in labels} - {str(c) for c in classes})
+    if unknown:
+        raise PipelineError(
+            f"stage=evaluate: predict.source has label(s) {', '.join(unknown[:5])} in column {label!r}, which "
+            f"the model's classes ({', '.join(map(str, classes[:10]))}) do not hold; evaluate on rows labelled "
+            "as its training rows were."
+        )
     matrix, rows = per_class(labels, predicted, classes)
     fig, axis = plt.subplots(figsize=(1.5 + 0.5 * len(classes), 1.2 + 0.5 * len(classes)))
     axis.imshow(matrix, cmap="Blues")
