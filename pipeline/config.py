@@ -183,8 +183,10 @@ class TrackingConfig:
     uri: Optional[str] = "${oc.env:MLFLOW_TRACKING_URI,null}"  # null: sqlite in paths.outputs
     experiment_name: Optional[str] = None  # null: the +experiment=NAME chosen, else "default"
     run_name: Optional[str] = None
-    log_model: bool = True  # the best checkpoint's weights (train.checkpoint_metric; else the last) as model/
-    # register the logged model as a version of this registered model, and move register_alias to it (a
+    # each kept checkpoint as a LoggedModel (Logged models tab), and the best one's weights (by
+    # train.checkpoint_metric; else the last) as the run's model/state_dict.pt
+    log_model: bool = True
+    # register the best LoggedModel as a version of this registered model, and move register_alias to it (a
     # sweep's: to its best job's version); load it back as models:/NAME@ALIAS
     register_as: Optional[str] = None
     register_alias: str = "champion"

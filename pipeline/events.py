@@ -77,7 +77,7 @@ class Handler:
     def epoch_reported(self, event: EpochReported) -> None:
         ranks = checked_ranks(event)
         self.append("metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": ranks})
-        self.tracker.log_epoch(ranks[0])
+        self.tracker.log_epoch(ranks[0], event.checkpoint)
         self.progress.epoch_done(ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:

@@ -47,22 +47,22 @@ class Initial:
 def start_weights(cfg: dict) -> Initial | None:
     """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
     MLflow model is downloaded from the job's store first."""
-    from pipeline import tracking  # the driver's: workers, which import this module, never import MLflow
+    from pipeline import models, tracking  # the driver's: workers, which import this module, never import MLflow
 
     weights = cfg["finetune"]["weights"]
     with tempfile.TemporaryDirectory() as tmp:
         files = None
-        if weights is not None and weights.startswith(tracking.MODEL_URI_SCHEMES):
+        if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
             client, _ = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
             try:
-                files = tracking.download_model(client, weights, tmp)
+                files = models.model_weights(client, weights, tmp)
             except PipelineError as err:
                 raise PipelineError(f"finetune.weights: {err}") from err
         return initial_weights(cfg["model"], cfg["finetune"], files)
 
 
 def initial_weights(model_cfg: dict, finetune: dict, files: str | None = None) -> Initial | None:
-    """``finetune.weights`` read (from ``files``, where an MLflow model's were downloaded) and matched to
+    """``finetune.weights`` read (from ``files``, an MLflow model's weights as downloaded) and matched to
     the model built from ``model_cfg`` (None: random weights);
     ``finetune.freeze`` and ``finetune.head`` patterns checked against its parameter names. Without any
     of those settings the model is not built here."""

@@ -28,7 +28,7 @@ from hydra.utils import instantiate
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, evaluate, preprocess, source, tracking, workarounds, worker
+from pipeline import cluster, console, evaluate, models, preprocess, source, tracking, workarounds, worker
 from pipeline.config import PipelineError, active_steps, validate
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
@@ -95,9 +95,9 @@ def actor_options(predict: dict, use_gpu: bool) -> dict:
 def trained_run(client, experiment: str, name_or_id: str | None):
     """The run to predict with: ``name_or_id`` (an MLflow model URI, a run id, else the newest run of that
     name), or the experiment's newest finished training run."""
-    if name_or_id is not None and name_or_id.startswith(tracking.MODEL_URI_SCHEMES):
-        try:  # models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model: the run that logged it
-            return client.get_run(tracking.model_source(client, name_or_id)[0])
+    if name_or_id is not None and name_or_id.startswith(models.MODEL_URI_SCHEMES):
+        try:  # models:/NAME@ALIAS, models:/NAME/VERSION, models:/MODEL_ID, runs:/RUN_ID/model: the run that logged it
+            return client.get_run(models.model_source(client, name_or_id)[0])
         except MlflowException as err:
             raise PipelineError(f"predict.run: no MLflow model {name_or_id} in this store ({err.message}).") from err
     if name_or_id is not None:
@@ -127,12 +127,15 @@ def trained_run(client, experiment: str, name_or_id: str | None):
     )
 
 
-def load_weights(client, run, checkpoint: str | None) -> tuple[dict, dict | None]:
+def load_weights(client, run, checkpoint: str | None, uri: str | None) -> tuple[dict, dict | None]:
     """The model's state dict and the feature statistics training standardized with (None when it did
-    not), from ``checkpoint`` (a pipeline checkpoint.pt, its directory, or a bare state dict) or else
-    the run's logged model and ``feature_statistics.json``; always ``weights_only``."""
+    not), from ``checkpoint`` (a pipeline checkpoint.pt, its directory, or a bare state dict), the MLflow
+    model ``uri`` names, or else the run's logged model; statistics from the run's ``feature_statistics.json``
+    where the weights do not hold them; always ``weights_only``."""
     with tempfile.TemporaryDirectory() as tmp:
-        if checkpoint is None:
+        if checkpoint is None and uri is not None and uri.startswith(models.MODEL_URI_SCHEMES):
+            path = models.model_weights(client, uri, tmp)
+        elif checkpoint is None:
             try:
                 path = client.download_artifacts(run.info.run_id, MODEL_ARTIFACT, tmp)
             except (MlflowException, OSError) as err:
@@ -200,7 +203,7 @@ def run(cfg: dict, job) -> dict:
         model_run = trained_run(client, store.experiment_id, predict["run"])
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
-    weights, statistics = load_weights(client, model_run, predict["checkpoint"])
+    weights, statistics = load_weights(client, model_run, predict["checkpoint"], predict["run"])
     layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
     classes = trained_cfg["source"].get("classes")  # the model's classes, by name where labels were names
     place = locate(predict["source"], src["s3"], "predict.source")

@@ -20,7 +20,6 @@ from pipeline import console, events, filesystems, preflight, preprocess, source
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.tracking import Tracker
-from pipeline.worker import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +51,19 @@ def run(cfg: dict, job: Job) -> dict:
             reporter = report_cache(data, tracker)
             tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
             storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
-            tracker.set_storage(storage.uri)
+            tracker.set_storage(storage)
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
             progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
             result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
-            best = cfg["train"]["checkpoint_metric"]  # the best checkpoint by it, or else the last
+            tracker.keep_only({checkpoint.path for checkpoint, _ in result.best_checkpoints})
             mode = trainer.checkpoint_mode(cfg["train"], cfg["task"])
-            checkpoint = result.get_best_checkpoint(best, mode) if best is not None else result.checkpoint
-            if cfg["tracking"]["log_model"] and checkpoint is not None:
+            best = tracker.best_model(cfg["train"]["checkpoint_metric"], mode)  # by it, or else the last
+            if best is not None:  # tracking.log_model
                 alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]  # a sweep's: its best job's
-                log_model(tracker, checkpoint, cfg["tracking"]["register_as"], alias)
+                tracker.log_model(best, cfg["tracking"]["register_as"], alias)
             verdict = task.no_learning(kind, names, tracker.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
@@ -72,18 +71,6 @@ def run(cfg: dict, job: Job) -> dict:
     metric = cfg["optimized_metric"]
     log.info("finished: %s %.4f; %s", metric, tracker.last[metric], tracking.run_link(tracker.uri, tracker.run_id))
     return {k: tracker.last[k] for k in tracker.metrics}
-
-
-def log_model(tracker: Tracker, checkpoint, register_as: str | None, alias: str | None) -> None:
-    """The checkpoint's weights as the run's model; with ``register_as``, a new registered version,
-    ``alias`` moved to it (a sweep moves its alias to its best job's version when it ends: sweep.py)."""
-    with checkpoint.as_directory() as path:
-        tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
-    if register_as is not None:
-        version = tracker.register(register_as, alias)
-        log.info(
-            "registered as %s version %s%s", register_as, version, f" (models:/{register_as}@{alias})" if alias else ""
-        )
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import console, tracking
+from pipeline import console, models, tracking
 from pipeline.config import PipelineError
 from pipeline.metrics import lower_is_better
 
@@ -101,7 +101,7 @@ class SweepSummary(Callback):
             client.set_tag(parent, "pipeline.best_run_name", best["name"])
             client.log_metric(parent, f"best_{metric}", best["value"])
             name = config.tracking.register_as
-            version = tracking.registered_version(client, name, best["run_id"]) if name else None
+            version = models.registered_version(client, name, best["run_id"]) if name else None
             if version is not None:
                 client.set_registered_model_alias(name, config.tracking.register_alias, version)
                 log.info(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import ray.train
 import requests
 import torch
 import yaml
@@ -31,9 +32,12 @@ from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
+from pipeline import models
 from pipeline.config import PipelineError
 from pipeline.console import data_wait_note
+from pipeline.filesystems import RunStorage
 from pipeline.metrics import LOSSES, epoch_metrics, first_task_metric
+from pipeline.worker import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -270,10 +274,23 @@ def logged_config(client: MlflowClient, run_id: str) -> dict:
         return yaml.safe_load(file)
 
 
-def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int) -> None:
-    """``metrics`` (name -> number) in one request, at ``step``."""
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+def log_metrics(
+    client: MlflowClient,
+    run_id: str,
+    metrics: dict,
+    step: int,
+    model_id: str | None = None,
+    datasets: dict[str, tuple[str, str]] | None = None,
+) -> None:
+    """``metrics`` (name -> number) in one request, at ``step``; linked to the LoggedModel ``model_id`` when
+    given, and ``train_*`` and ``val_*`` ones to their split's dataset (``datasets``: split -> name, digest)."""
+    now, datasets = int(time.time() * 1000), datasets or {}
+    of_prefix = {"train": datasets.get("train"), "val": datasets.get("valid")}
+    records = []
+    for key, value in metrics.items():
+        name, digest = of_prefix.get(key.split("_", 1)[0]) or (None, None)
+        records.append(Metric(key, float(value), now, step, model_id, name, digest))
+    client.log_batch(run_id, metrics=records)
 
 
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
@@ -298,7 +315,7 @@ def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict |
     for name, split in splits.items():
         schema = Schema([ColSpec(mlflow_type(field.type), field.name) for field in split.schema])
         dataset = Dataset(
-            name=f"{os.path.basename(os.path.dirname(split.uri.rstrip('/')))}/{os.path.basename(split.uri.rstrip('/'))}",
+            name=dataset_name(split),
             digest=split.digest,
             source_type="s3" if split.uri.startswith("s3://") else "local",
             source=json.dumps({"uri": redact(split.uri)}),
@@ -310,6 +327,12 @@ def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict |
     client.log_inputs(run_id, datasets=inputs)
     if statistics is not None:
         client.log_dict(run_id, statistics, STATISTICS_ARTIFACT)
+
+
+def dataset_name(split) -> str:
+    """A split's dataset name in MLflow: its directory and its parent's (``cifar10/train``)."""
+    uri = split.uri.rstrip("/")
+    return f"{os.path.basename(os.path.dirname(uri))}/{os.path.basename(uri)}"
 
 
 def mlflow_type(kind: pa.DataType):
@@ -339,56 +362,6 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
         path = os.path.join(tmp, "state_dict.pt")
         torch.save(state["model"], path)
         client.log_artifact(run_id, path, "model")
-
-
-MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@ALIAS, models:/NAME/VERSION
-
-
-def model_source(client: MlflowClient, uri: str) -> tuple[str, str]:
-    """The run and artifact path an MLflow model URI names (a registered version's, for ``models:/``)."""
-    if uri.startswith("runs:/"):
-        run_id, _, path = uri.removeprefix("runs:/").partition("/")
-        return run_id, path
-    name, alias = uri.removeprefix("models:/").rstrip("/"), None
-    if "@" in name:
-        name, alias = name.split("@", 1)
-    else:
-        name, _, version = name.rpartition("/")
-    version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
-    return model_source(client, version.source) if version.source.startswith("runs:/") else (version.run_id, "model")
-
-
-def download_model(client: MlflowClient, uri: str, into: str) -> str:
-    """The files of the MLflow model ``uri`` names, downloaded into the directory ``into``; their path."""
-    try:
-        run_id, path = model_source(client, uri)
-        return client.download_artifacts(run_id, path, into)
-    except (MlflowException, OSError, ValueError) as err:
-        raise PipelineError(
-            f"cannot read the MLflow model {uri} from the store {redact(client.tracking_uri)} ({err}). "
-            "runs:/RUN_ID/model names a run's logged model; models:/NAME@ALIAS or models:/NAME/VERSION "
-            "a registered one (tracking.register_as)."
-        ) from err
-
-
-def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
-    """The version of the registered model ``name`` that the run registered, if any."""
-    versions = client.search_model_versions(f"run_id = '{run_id}'")  # a run id is hex: no quoting needed
-    return max((v.version for v in versions if v.name == name), key=int, default=None)
-
-
-def register_model(client: MlflowClient, run_id: str, name: str, alias: str | None) -> str:
-    """The run's logged model as a new version of the registered model ``name`` (created the first time),
-    with ``alias`` moved to it when given; the version."""
-    try:
-        client.create_registered_model(name)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    version = client.create_model_version(name, source=f"runs:/{run_id}/model", run_id=run_id).version
-    if alias:
-        client.set_registered_model_alias(name, alias, version)
-    return version
 
 
 def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
@@ -448,8 +421,8 @@ class Tracker:
     state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
 
     def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: dict):
-        self.client, self.uri, self.run_id = store.client, store.uri, run_id
-        task = cfg["task"]
+        self.client, self.uri, self.run_id, self.experiment_id = store.client, store.uri, run_id, store.experiment_id
+        self.cfg, task = cfg, cfg["task"]
         self.metrics = list(epoch_metrics(task["type"], task["metrics"]))  # what each epoch reports
         self.curve_metric = first_task_metric(task["metrics"])  # drawn beside the losses
         self.settings = cfg["tracking"]
@@ -459,6 +432,9 @@ class Tracker:
         self.last: dict | None = None  # the latest epoch's metrics
         self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
         self.expected_rows: dict[str, int] = {}
+        self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
+        self.datasets: dict[str, tuple[str, str]] = {}  # split -> dataset name and digest, for metrics to link to
+        self.kept = models.kept_models(self.client, self.experiment_id, run_id)  # a LoggedModel per kept checkpoint
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
@@ -491,9 +467,10 @@ class Tracker:
         found = store.runs_where(tag, value)
         return cls(store, reopen(store.client, found[0]), None, time.time(), cfg) if found else None
 
-    def set_storage(self, uri: str) -> None:
+    def set_storage(self, storage: RunStorage) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
-        self.client.set_tag(self.run_id, STORAGE_TAG, uri)
+        self.storage = storage
+        self.client.set_tag(self.run_id, STORAGE_TAG, storage.uri)
 
     def log_startup(self, first_step_at: float, epoch: int) -> None:
         """``startup_s``: from the command (a sweep's later jobs: their own start) to the first training step."""
@@ -501,13 +478,20 @@ class Tracker:
             self.client.log_metric(self.run_id, "startup_s", first_step_at - self.started_at, step=epoch)
             self._startup_logged = True
 
-    def log_epoch(self, metrics: dict) -> None:
-        """An epoch's metrics, once (step = epoch), and ``skipped_rows`` when rows went missing."""
+    def log_epoch(self, metrics: dict, checkpoint: str | None = None) -> None:
+        """An epoch's metrics, once (step = epoch), and ``skipped_rows`` when rows went missing; with
+        ``tracking.log_model``, its checkpoint (a path in the run's storage) as a LoggedModel they link to."""
         epoch = metrics["epoch"]
         if epoch in self.logged:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
-        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch)
+        kept = None
+        if checkpoint is not None and self.settings["log_model"]:
+            kept = models.start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
+        model_id = kept.model_id if kept else None
+        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.datasets)
+        if kept is not None:
+            self.log_checkpoint(kept)
         note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
         if note is not None:
             self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
@@ -537,17 +521,52 @@ class Tracker:
         count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
         self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
 
-    def log_model(self, checkpoint_file: str) -> None:
-        log_model(self.client, self.run_id, checkpoint_file)
+    def log_checkpoint(self, kept: models.Kept) -> None:
+        """The checkpoint's files into its LoggedModel. One Ray Train has dropped already (``train.num_to_keep``:
+        a worse one, a later epoch in) is not kept: its LoggedModel goes too."""
+        try:
+            with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
+                models.log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
+        except FileNotFoundError:
+            self.client.delete_logged_model(kept.model_id)
+            return
+        self.kept.append(kept)
+
+    def keep_only(self, checkpoints: set[str]) -> None:
+        """Delete the LoggedModels of checkpoints that Ray Train no longer keeps (``train.num_to_keep``)."""
+        for kept in [k for k in self.kept if k.checkpoint not in checkpoints]:
+            self.client.delete_logged_model(kept.model_id)
+            self.kept.remove(kept)
+
+    def best_model(self, metric: str | None, mode: str) -> models.Kept | None:
+        """The kept checkpoint best by ``metric`` (``mode``: max or min; the earliest of equals), or the
+        latest without one; None when none was logged."""
+        if metric is None or not self.kept:
+            return self.kept[-1] if self.kept else None
+        value = {m.step: m.value for m in self.client.get_metric_history(self.run_id, metric)}
+        return (max if mode == "max" else min)(self.kept, key=lambda kept: value[kept.epoch])
+
+    def log_model(self, kept: models.Kept, register_as: str | None, alias: str | None) -> None:
+        """The kept checkpoint's weights as the run's ``model/state_dict.pt``; with ``register_as``, its
+        LoggedModel a new registered version, ``alias`` moved to it (a sweep moves its alias to its best
+        job's version when it ends: sweep.py)."""
+        with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
+            log_model(self.client, self.run_id, os.path.join(local, CHECKPOINT_FILE))
+        if register_as is not None:
+            version = models.register_model(self.client, self.run_id, register_as, alias, kept.model_id)
+            log.info(
+                "registered checkpoint-%d as %s version %s%s",
+                kept.epoch,
+                register_as,
+                version,
+                f" (models:/{register_as}@{alias})" if alias else "",
+            )
 
     def log_data(self, splits: dict, statistics: dict | None) -> None:
         """What the run trains and validates on (a resumed run logged it on its first start)."""
+        self.datasets = {name: (dataset_name(split), split.digest) for name, split in splits.items()}
         if self.resume_from is None:
             log_data(self.client, self.run_id, splits, statistics)
-
-    def register(self, name: str, alias: str | None) -> str:
-        """The logged model as a new version of the registered model ``name``, ``alias`` moved to it; the version."""
-        return register_model(self.client, self.run_id, name, alias)
 
     def log_start_weights(self, initial) -> None:
         """Where the weights came from, and which of the head's started fresh (a :class:`pipeline.finetune.Initial`)."""

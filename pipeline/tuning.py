@@ -34,8 +34,8 @@ from pipeline import build, console, filesystems, preflight, source, tracking, w
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.metrics import lower_is_better
+from pipeline.trainer import checkpoint_mode
 from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir
-from pipeline.worker import CHECKPOINT_FILE
 
 log = logging.getLogger("pipeline")
 TUNE_DIR = "tune"  # <sweep dir>/tune: Tune's experiment state, what a resumed sweep restores
@@ -189,11 +189,10 @@ def trial_overrides(params: dict) -> list[str]:
 
 @dataclass
 class OpenTrial:
-    """A running trial as the driver sees it: its MLflow run, resolved config and checkpoint storage."""
+    """A running trial as the driver sees it: its MLflow run and resolved config."""
 
     tracker: tracking.Tracker
     cfg: dict
-    storage: filesystems.RunStorage
 
 
 class TrialRecorder(tune.Callback):
@@ -217,8 +216,8 @@ class TrialRecorder(tune.Callback):
         store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
         tracker = self.reopen(store, cfg, trial_id) or self.open(store, cfg, trial_id, params)
         storage = filesystems.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
-        tracker.set_storage(storage.uri)
-        self.open_trials[trial_id] = OpenTrial(tracker, cfg, storage)
+        tracker.set_storage(storage)
+        self.open_trials[trial_id] = OpenTrial(tracker, cfg)
         log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))
 
     def open(self, store: tracking.Store, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
@@ -244,7 +243,7 @@ class TrialRecorder(tune.Callback):
             return
         running = self.open_trials[trial.trial_id]
         tracker = running.tracker
-        tracker.log_epoch(result)
+        tracker.log_epoch(result, result.get("checkpoint_path"))  # TuneReportCallback's key for a report's checkpoint
         if result.get("placement_group"):
             self.groups[trial.trial_id] = result["placement_group"]
         if "node_id" in result:
@@ -272,12 +271,10 @@ class TrialRecorder(tune.Callback):
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
             tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)
-        checkpoint = (trial.last_result or {}).get("checkpoint_path")
-        if running.cfg["tracking"]["log_model"] and checkpoint:
-            with ray.train.Checkpoint(checkpoint, running.storage.filesystem).as_directory() as path:
-                tracker.log_model(os.path.join(path, CHECKPOINT_FILE))
-            if running.cfg["tracking"]["register_as"]:  # the alias: the sweep's best trial's, when it ends
-                tracker.register(running.cfg["tracking"]["register_as"], None)
+        train = running.cfg["train"]
+        best = tracker.best_model(train["checkpoint_metric"], checkpoint_mode(train, running.cfg["task"]))
+        if best is not None:  # tracking.log_model; the alias: the sweep's best trial's, when it ends
+            tracker.log_model(best, running.cfg["tracking"]["register_as"], None)
         tracker.end("FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:

@@ -14,7 +14,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +52,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
     statistics = config["statistics"]  # the features' mean and std, with ingest.standardize
-    first = train_batches(cfg, start, epoch_counter, statistics, device, world_size) if start < epochs else ()
+    first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
     updates = -(-config["steps_per_epoch"] // cfg["train"]["accumulate"])  # optimizer steps per epoch
     initial = ray.get(config["initial"]) if config["initial"] is not None else None  # finetune.weights, matched
@@ -67,13 +67,9 @@ def train_loop_per_worker(config: dict) -> None:
     progress = events.put if rank == 0 else None
 
     for epoch in range(start, epochs):
-        batches = (
-            first_batches
-            if epoch == start
-            else train_batches(cfg, epoch, epoch_counter, statistics, device, world_size)
-        )
+        batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
         metrics = train_epoch(replica, batches, cfg, epoch, config["steps_per_epoch"], progress)
-        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, statistics, device, world_size, training=False)
+        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
         metrics |= evaluate(replica, valid)
         # every rank holds the same all-reduced metrics, so every rank decides alike
         stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
@@ -100,9 +96,11 @@ class Replica:
     autocast: torch.autocast
     task: Task  # the loss and metrics
     statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
+    scale: Callable[[torch.Tensor], torch.Tensor]  # features as the transforms wrote them -> the model's floats
     layout: Layout  # which column of a batch is the model's input, which its label
     grad_clip: float | None  # train.grad_clip
     on_nonfinite: str  # train.on_nonfinite: raise or skip
+    example: torch.Tensor | None = None  # two training rows' features, unscaled: the logged models' input example
 
     @classmethod
     def build(
@@ -126,8 +124,8 @@ class Replica:
             )
         autocast, scaler = autocast_settings(device, cfg["train"])
         layout, recipe = Layout.of(cfg["source"]), (cfg["train"]["grad_clip"], cfg["train"]["on_nonfinite"])
-        task = Task(cfg["task"])
-        return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, layout, *recipe)
+        task, scale = Task(cfg["task"]), feature_scaler(cfg["ingest"]["normalize"], statistics, device)
+        return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, scale, layout, *recipe)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -169,6 +167,7 @@ class Replica:
             "epoch": epoch,
             "feature_statistics": self.statistics,  # predict standardizes features with these
             "classes": self.layout.classes,  # the class names, index order, where labels are names
+            "input_example": self.example,
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
@@ -203,9 +202,11 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
     clock, log_every, accumulate = WaitClock(), cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"]
     skipped, first_nonfinite = 0, torch.zeros((), dtype=torch.long, device=device)  # the batch, 0: none
     for step, batch in enumerate(clock.wrap(batches), start=1):
+        if replica.example is None:
+            replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
         update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
         with replica.autocast:
-            loss = replica.task.loss(replica.model(batch[features]), batch[labels])
+            loss = replica.task.loss(replica.model(replica.scale(batch[features])), batch[labels])
         replica.backward(loss, accumulate, update)
         if update:
             skipped += not replica.step()
@@ -250,7 +251,7 @@ def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
     count = 0
     for batch in batches:
         with replica.autocast:
-            outputs = model(batch[features])
+            outputs = model(replica.scale(batch[features]))
         rows = len(batch[labels])
         sums["loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
         for name, value in task.sums(outputs, batch[labels]).items():
@@ -313,34 +314,23 @@ def restored_state(device: torch.device) -> dict | None:
         return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
 
 
-def train_batches(
-    cfg: dict, epoch: int, epoch_counter, statistics: dict | None, device: torch.device, world_size: int
-) -> Iterator[dict]:
+def train_batches(cfg: dict, epoch: int, epoch_counter, device: torch.device, world_size: int) -> Iterator[dict]:
     """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
     seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
     ray.get(epoch_counter.set.remote(epoch))
     shard = ray.train.get_dataset_shard("train")
-    return torch_batches(shard, cfg, statistics, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
+    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
 
 
 def torch_batches(
-    shard,
-    cfg: dict,
-    statistics: dict | None,
-    device: torch.device,
-    world_size: int,
-    training: bool,
-    seed: int | None = None,
+    shard, cfg: dict, device: torch.device, world_size: int, training: bool, seed: int | None = None
 ) -> Iterator:
-    """This worker's shard of a split as torch batches (``ingest`` settings). Training shuffles in a
-    local buffer and drops its last partial batch when ``ingest`` says so; validation never does.
-
-    Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object store and to a GPU) and
-    become floats here, on the training device: ``ingest.normalize`` for uint8 features,
-    ``statistics`` (the training split's, with ``ingest.standardize``) for float ones.
-    """
-    ingest, feature = cfg["ingest"], Layout.of(cfg["source"]).model_input
-    stream = shard.iter_torch_batches(
+    """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
+    Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
+    validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
+    store and to a GPU): the replica scales them (:func:`feature_scaler`)."""
+    ingest = cfg["ingest"]
+    return shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
         prefetch_batches=ingest["prefetch_batches"],
         local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"] if training else None,
@@ -348,13 +338,12 @@ def torch_batches(
         drop_last=ingest["drop_last"] and training,
         device=device,
     )
-    scale = feature_scaler(ingest["normalize"], statistics, device)
-    return ({**batch, feature: scale(batch[feature])} for batch in stream)
 
 
 def feature_scaler(normalize: dict | None, statistics: dict | None, device: torch.device):
-    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` says, float
-    features standardized with ``statistics`` when given; anything else as it is."""
+    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` (``ingest.normalize``)
+    says, float features standardized with ``statistics`` (the training split's, with ``ingest.standardize``)
+    when given; anything else as it is."""
     pixels = pixel_scaling(normalize, device) if normalize is not None else None
     if statistics is not None:
         mean = torch.tensor(statistics["mean"], dtype=torch.float32, device=device)

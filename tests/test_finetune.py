@@ -4,8 +4,11 @@ slower), against the same model from random weights; and each way weights are na
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +17,7 @@ import torch
 from conftest import compose_cfg
 from mlflow import MlflowClient
 
-from pipeline import finetune, predict, preflight
+from pipeline import finetune, models, predict, preflight
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.run import run
@@ -60,7 +63,13 @@ def pretrained(tmp_path_factory, ray_runtime) -> tuple[Path, dict]:
         root / "four",
         root / "outputs",
         4,
-        ["train.epochs=4", "train.checkpoint_metric=val_accuracy", "tracking.register_as=xor", "optim.lr=0.01"],
+        [
+            "train.epochs=4",
+            "train.checkpoint_metric=val_accuracy",
+            "train.num_to_keep=2",  # the best two and the latest: one of the four dropped, at least
+            "tracking.register_as=xor",
+            "optim.lr=0.01",
+        ],
     )
     metrics = run(cfg, Job(str(root / "pretrain"), "finetune"))
     return root, metrics
@@ -81,9 +90,7 @@ def test_a_registered_model_fine_tunes_on_few_rows_of_another_class_count_and_be
     }  # epoch -> value
     top = max(accuracy.values())
     best = [state["model"] for state in kept.values() if accuracy[state["epoch"]] == top]
-    registered = torch.load(
-        client.download_artifacts(version.run_id, "model/state_dict.pt", str(root)), weights_only=True
-    )
+    registered = torch.load(models.model_weights(client, "models:/xor@champion", str(root)), weights_only=True)
     assert any(all(torch.equal(registered[k], state[k]) for k in state) for state in best)
     assert not all(torch.equal(registered[k], v) for k, v in last_checkpoint(storage)["model"].items()) or (
         accuracy[max(accuracy)] == top
@@ -125,6 +132,60 @@ def test_a_registered_model_fine_tunes_on_few_rows_of_another_class_count_and_be
         "started from models:/xor@champion; starting fresh (another shape): 6.bias, 6.weight"
     )
     assert tuned_run.data.params["finetune.weights"] == "models:/xor@champion"
+
+
+LOAD_WITHOUT_THIS_REPO = """
+import sys
+sys.modules["pipeline"] = None  # an import of this repo's code fails
+import mlflow, numpy as np, pyarrow.parquet as pq
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model("models:/xor@champion")
+table = pq.read_table(sys.argv[2])
+features = np.stack([table[f"x{i}"].to_numpy() for i in range(8)], axis=1)
+print(float((model.predict(features).argmax(1) == table["label"].to_numpy()).mean()))
+"""
+
+
+def test_each_kept_checkpoint_is_a_logged_model_linked_to_its_epoch_and_loads_without_this_repo(pretrained):
+    root, _ = pretrained
+    uri = f"sqlite:///{root / 'outputs' / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    mlflow.set_tracking_uri(uri)  # for mlflow.models.get_model_info
+    version = client.get_model_version_by_alias("xor", "champion")
+    run = client.get_run(version.run_id)
+    accuracy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
+    kept_epochs = sorted(
+        torch.load(p, weights_only=True)["epoch"]
+        for p in Path(run.data.tags["pipeline.storage"]).glob("checkpoint_*/checkpoint.pt")
+    )
+    assert len(kept_epochs) < 4 and kept_epochs[-1] == 3  # train.num_to_keep=2 dropped some; the latest stays
+
+    logged = client.search_logged_models([run.info.experiment_id], f"source_run_id = '{run.info.run_id}'")
+    assert sorted(m.name for m in logged) == [f"checkpoint-{epoch}" for epoch in kept_epochs]
+    for model in logged:
+        epoch = int(model.name.removeprefix("checkpoint-"))
+        linked = {m.key: m for m in model.metrics}
+        assert linked["val_accuracy"].value == accuracy[epoch] and linked["val_accuracy"].step == epoch
+        assert linked["val_accuracy"].dataset_name == "four/valid" and linked["train_loss"].dataset_name == "four/train"
+        info = mlflow.models.get_model_info(f"models:/{model.model_id}")
+        assert info.signature.inputs.to_dict() == [
+            {"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": (-1, 8)}}
+        ]
+        assert info.saved_input_example_info["type"] == "ndarray" and info.metadata["epoch"] == epoch
+
+    # the alias: the kept checkpoint best by val_accuracy (the earliest of equals)
+    best = max(kept_epochs, key=lambda epoch: (accuracy[epoch], -epoch))
+    assert version.source == f"models:/{next(m.model_id for m in logged if m.name == f'checkpoint-{best}')}"
+
+    # MLflow's pytorch flavor alone loads it: the exported program scales the raw features itself
+    completed = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_THIS_REPO, uri, str(root / "four" / "valid" / "part.parquet")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert float(completed.stdout.split()[-1]) == pytest.approx(accuracy[best], abs=1e-9)
 
 
 def last_checkpoint(storage: Path) -> dict:

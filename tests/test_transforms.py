@@ -342,21 +342,21 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.worker import torch_batches
+    from pipeline.worker import feature_scaler, torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    out = list(torch_batches(ds, cfg, None, torch.device("cpu"), 1, training=False))
+    out = list(torch_batches(ds, cfg, torch.device("cpu"), 1, training=False))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
-    images = torch.cat([b["image"] for b in out])
+    raw = torch.cat([b["image"] for b in out])
+    assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))  # scaled by the replica
+    images = feature_scaler(cfg["ingest"]["normalize"], None, torch.device("cpu"))(raw)
     assert images.dtype == torch.float32
     torch.testing.assert_close(images[:, :, 0], torch.tensor([expected] * 5, dtype=torch.float32))
-    unscaled = {**cfg, "ingest": {**cfg["ingest"], "normalize": None}}
-    raw = torch.cat([b["image"] for b in torch_batches(ds, unscaled, None, torch.device("cpu"), 1, training=False)])
-    assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))
+    assert feature_scaler(None, None, torch.device("cpu"))(raw) is raw
 
 
 def test_float_features_are_standardized_with_the_training_statistics(ray_runtime):
@@ -365,7 +365,7 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     import ray.data
 
     from pipeline.preprocess import feature_statistics
-    from pipeline.worker import torch_batches
+    from pipeline.worker import feature_scaler, torch_batches
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f, "label": i} for i, f in enumerate(features)])
@@ -373,11 +373,13 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     np.testing.assert_allclose(statistics["mean"], [4.0, 10.0])
     np.testing.assert_allclose(statistics["std"], [np.sqrt(5.0), 1.0])  # a constant feature keeps std 1
     cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
-    (batch,) = torch_batches(ds, cfg, statistics, torch.device("cpu"), 1, training=False)
+    (batch,) = torch_batches(ds, cfg, torch.device("cpu"), 1, training=False)
+    assert torch.equal(batch["features"], torch.from_numpy(features))  # scaled by the replica
+    scaled = feature_scaler(cfg["ingest"]["normalize"], statistics, torch.device("cpu"))(batch["features"])
     expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]
-    torch.testing.assert_close(batch["features"], torch.tensor(expected, dtype=torch.float32))
-    (raw,) = torch_batches(ds, cfg, None, torch.device("cpu"), 1, training=False)
-    assert torch.equal(raw["features"], torch.from_numpy(features))  # normalize is for uint8 pixels only
+    torch.testing.assert_close(scaled, torch.tensor(expected, dtype=torch.float32))
+    unscaled = feature_scaler(cfg["ingest"]["normalize"], None, torch.device("cpu"))(batch["features"])
+    assert torch.equal(unscaled, torch.from_numpy(features))  # normalize is for uint8 pixels only
 
 
 def test_missing_nan_and_infinite_table_values_fail_naming_the_file_column_and_row_or_are_dropped_or_kept(tmp_path):

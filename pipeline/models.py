@@ -1,0 +1,178 @@
+"""MLflow models of a training run (on the driver): each kept checkpoint as an MLflow 3 LoggedModel of the
+run, the best one registered under an alias, and an MLflow model URI read back as files.
+
+A LoggedModel is MLflow's pytorch flavor saved as a ``torch.export`` program ("pt2") with its signature and
+an input example: ``mlflow.pytorch.load_model(uri)`` loads it without this repo's code, and nothing pickled
+runs. The program includes the input scaling training applied, so it takes features as the transforms
+wrote them (uint8 pixels, raw table values). Beside it, ``extra_files/state_dict.pt`` holds the weights
+as a state dict: what fine-tuning and prediction read (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+
+import mlflow
+import mlflow.pytorch
+import torch
+import torchvision
+from hydra.utils import instantiate
+from mlflow import MlflowClient
+from mlflow.entities import LoggedModelOutput
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, infer_signature
+
+from pipeline.config import PipelineError
+from pipeline.worker import CHECKPOINT_FILE, feature_scaler
+
+log = logging.getLogger(__name__)
+
+MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@ALIAS, models:/NAME/VERSION, models:/ID
+WEIGHTS_FILE = "state_dict.pt"  # a logged model's weights as a state dict
+CHECKPOINT_TAG = "pipeline.checkpoint"  # on a LoggedModel: the checkpoint it was made from, in the run's storage
+EPOCH_TAG = "pipeline.epoch"  # on a LoggedModel: the epoch (its step in the run)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A kept checkpoint's LoggedModel."""
+
+    model_id: str
+    epoch: int
+    checkpoint: str  # the checkpoint's path in the run's storage
+
+
+class Scaled(torch.nn.Module):
+    """The model behind the input scaling training applied (``ingest.normalize``, ``ingest.standardize``)."""
+
+    def __init__(self, model: torch.nn.Module, scale):
+        super().__init__()
+        self.model, self.scale = model, scale
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(self.scale(features))
+
+
+def log_checkpoint(client: MlflowClient, run_id: str, cfg: dict, local: str, kept: Kept) -> None:
+    """The checkpoint in the local directory ``local`` as the LoggedModel ``kept.model_id`` (made by
+    :func:`start_model`): pt2 program, signature, input example, weights; READY once its files are in."""
+    state = torch.load(os.path.join(local, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+    model = instantiate(cfg["model"], _convert_="all")
+    model.load_state_dict(state["model"])
+    scale = feature_scaler(cfg["ingest"]["normalize"], state["feature_statistics"], torch.device("cpu"))
+    served, example = Scaled(model, scale).eval(), state["input_example"]
+    with torch.no_grad():
+        signature = infer_signature(example.numpy(), served(example).numpy())
+    metadata = {"task": cfg["task"]["type"], "feature": cfg["source"]["feature_column"], "epoch": kept.epoch}
+    if state["classes"] is not None:
+        metadata["classes"] = state["classes"]  # output i is classes[i]
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = os.path.join(tmp, WEIGHTS_FILE)
+        torch.save(state["model"], weights)
+        files = os.path.join(tmp, "model")
+        mlflow.pytorch.save_model(
+            served,
+            files,
+            mlflow_model=Model(run_id=run_id, model_id=kept.model_id, model_uuid=kept.model_id, metadata=metadata),
+            signature=signature,
+            input_example=example.numpy(),
+            pip_requirements=[f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, torchvision)],
+            extra_files=[weights],
+            serialization_format="pt2",
+        )
+        client.log_model_artifacts(kept.model_id, files)
+    client.finalize_logged_model(kept.model_id, "READY")
+
+
+def start_model(client: MlflowClient, run_id: str, experiment_id: str, epoch: int, checkpoint: str) -> Kept:
+    """A new LoggedModel ``checkpoint-<epoch>`` of the run, its output at step ``epoch``: the epoch's
+    metrics logged with its id are linked to it."""
+    model = client.create_logged_model(
+        experiment_id,
+        name=f"checkpoint-{epoch}",
+        source_run_id=run_id,
+        tags={CHECKPOINT_TAG: checkpoint, EPOCH_TAG: str(epoch)},
+    )
+    client.log_outputs(run_id, models=[LoggedModelOutput(model.model_id, step=epoch)])
+    return Kept(model.model_id, epoch, checkpoint)
+
+
+def kept_models(client: MlflowClient, experiment_id: str, run_id: str) -> list[Kept]:
+    """The run's LoggedModels that hold their files (a resumed run's earlier ones included), by epoch."""
+    found, token = [], None
+    while True:
+        page = client.search_logged_models(
+            [experiment_id], filter_string=f"source_run_id = '{run_id}' AND status = 'READY'", page_token=token
+        )
+        found += [Kept(m.model_id, int(m.tags[EPOCH_TAG]), m.tags[CHECKPOINT_TAG]) for m in page if EPOCH_TAG in m.tags]
+        if not page.token:
+            return sorted(found, key=lambda kept: kept.epoch)
+        token = page.token
+
+
+def register_model(client: MlflowClient, run_id: str, name: str, alias: str | None, model_id: str) -> str:
+    """The LoggedModel ``model_id`` as a new version of the registered model ``name`` (created the first
+    time), with ``alias`` moved to it when given; the version."""
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    # MLflow 3.17's SQL registry looks a models:/ source up in the global tracking URI's store, not this client's
+    mlflow.set_tracking_uri(client.tracking_uri)
+    version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id)
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
+    return version.version
+
+
+def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
+    """The version of the registered model ``name`` that the run registered, if any."""
+    versions = client.search_model_versions(f"run_id = '{run_id}'")  # a run id is hex: no quoting needed
+    return max((v.version for v in versions if v.name == name), key=int, default=None)
+
+
+def model_source(client: MlflowClient, uri: str) -> tuple[str, str]:
+    """The run that logged the model an MLflow model URI names, and the artifact URI of its files:
+    ``runs:/RUN_ID/PATH`` (a run's artifacts, or its LoggedModel named PATH), ``models:/NAME@ALIAS``,
+    ``models:/NAME/VERSION`` (a registered version) or ``models:/MODEL_ID`` (a LoggedModel)."""
+    if uri.startswith("runs:/"):
+        return uri.removeprefix("runs:/").split("/", 1)[0], uri
+    model_id = uri.removeprefix("models:/").rstrip("/")
+    if "@" in model_id or "/" in model_id:
+        if "@" in model_id:
+            version = client.get_model_version_by_alias(*model_id.split("@", 1))
+        else:
+            version = client.get_model_version(*model_id.rsplit("/", 1))
+        if not version.source.startswith("models:/"):  # a version registered from a run's artifacts
+            return version.run_id, version.source
+        model_id = version.source.removeprefix("models:/")
+    model = client.get_logged_model(model_id)
+    return model.source_run_id, model.artifact_location
+
+
+def download_model(client: MlflowClient, uri: str, into: str) -> str:
+    """The files of the MLflow model ``uri`` names, downloaded into the directory ``into``; their path."""
+    try:
+        _, files = model_source(client, uri)
+        return mlflow.artifacts.download_artifacts(artifact_uri=files, dst_path=into, tracking_uri=client.tracking_uri)
+    except (MlflowException, OSError, ValueError) as err:
+        from pipeline.tracking import redact  # tracking imports this module
+
+        raise PipelineError(
+            f"cannot read the MLflow model {uri} from the store {redact(client.tracking_uri)} ({err}). "
+            "runs:/RUN_ID/model names a run's best model; models:/NAME@ALIAS or models:/NAME/VERSION a registered one "
+            "(tracking.register_as); models:/MODEL_ID a checkpoint's (the run's Logged models)."
+        ) from err
+
+
+def model_weights(client: MlflowClient, uri: str, into: str) -> str:
+    """The state dict file of the MLflow model ``uri`` names, downloaded into the directory ``into``."""
+    files = download_model(client, uri, into)
+    found = sorted(os.path.join(root, WEIGHTS_FILE) for root, _, names in os.walk(files) if WEIGHTS_FILE in names)
+    if not found:
+        raise PipelineError(f"the MLflow model {uri} holds no {WEIGHTS_FILE}: this pipeline did not log it.")
+    return found[0]
