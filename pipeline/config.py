@@ -47,6 +47,7 @@ class SourceConfig:
     root: str = "${oc.env:PIPELINE_DATA_DIR,data}"  # data root; relative paths resolve against the cwd
     train: str = MISSING  # parquet directory, file or glob
     valid: str = MISSING
+    test: Optional[str] = None  # held-out labelled rows, never trained or validated on: what evaluation scores
     # the model's input: one column (encoded images, or a list/array of numbers per row), or a list of
     # numeric columns, stacked into one float32 vector per row (tables)
     feature_column: Any = "image"
@@ -102,6 +103,7 @@ class TrainConfig:
     amp_dtype: str = "bfloat16"  # bfloat16 or float16 (float16 adds a GradScaler)
     num_to_keep: Optional[int] = None  # best checkpoints kept (the latest is always kept too); null keeps all
     checkpoint_metric: Optional[str] = None  # what "best" means, e.g. val_accuracy; null: the most recent
+    evaluate: bool = False  # then stage=evaluate with the run's best model, in a run nested under it
     checkpoint_mode: Optional[str] = None  # max or min of checkpoint_metric; null: min for losses and errors
     max_failures: int = 0  # worker-group restarts from the latest checkpoint before the run fails; -1: no limit
     resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
@@ -211,7 +213,9 @@ class PredictConfig:
     # whose model predicts: a run's name or id, or models:/NAME@ALIAS (runs:/ID/model); null: the newest finished run
     run: Optional[str] = None
     checkpoint: Optional[str] = None  # a checkpoint.pt (or its directory) instead of the run's logged model
-    source: str = "${source.valid}"  # parquet to predict over: a directory, file, glob or s3:// URI
+    source: Optional[str] = (
+        None  # parquet to predict over: a directory, file, glob or s3:// URI; null: source.test, else source.valid
+    )
     output: Optional[str] = None  # predictions directory, local or s3://; null: <run dir>/predictions
     batch_size: int = 1024
     concurrency: int = 1  # model replicas (actors), each loading the model once
@@ -468,6 +472,10 @@ def check_values(cfg: dict) -> None:
     _require(
         tracking["register_as"] is None or tracking["log_model"],
         "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
+    )
+    _require(
+        not train["evaluate"] or tracking["log_model"],
+        "train.evaluate evaluates the run's logged model: set tracking.log_model=true too.",
     )
     scale = cfg["finetune"]["backbone_lr_scale"]
     _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")

@@ -26,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
 
 from pipeline.config import PipelineError
+from pipeline.workarounds import global_tracking_uri
 from pipeline.worker import CHECKPOINT_FILE, feature_scaler
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@AL
 WEIGHTS_FILE = "state_dict.pt"  # a logged model's weights as a state dict
 CHECKPOINT_TAG = "pipeline.checkpoint"  # on a LoggedModel: the checkpoint it was made from, in the run's storage
 EPOCH_TAG = "pipeline.epoch"  # on a LoggedModel: the epoch (its step in the run)
+BEST_MODEL_TAG = "pipeline.model_id"  # on a run: its best LoggedModel, the weights of its model/state_dict.pt
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,8 @@ def register_model(client: MlflowClient, run_id: str, name: str, alias: str | No
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    # MLflow 3.17's SQL registry looks a models:/ source up in the global tracking URI's store, not this client's
-    mlflow.set_tracking_uri(client.tracking_uri)
-    version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id)
+    with global_tracking_uri(client.tracking_uri):
+        version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return version.version
@@ -135,12 +136,15 @@ def registered_version(client: MlflowClient, name: str, run_id: str) -> str | No
     return max((v.version for v in versions if v.name == name), key=int, default=None)
 
 
-def model_source(client: MlflowClient, uri: str) -> tuple[str, str]:
-    """The run that logged the model an MLflow model URI names, and the artifact URI of its files:
-    ``runs:/RUN_ID/PATH`` (a run's artifacts, or its LoggedModel named PATH), ``models:/NAME@ALIAS``,
+def model_source(client: MlflowClient, uri: str) -> tuple[str, str | None, str]:
+    """The run that logged the model an MLflow model URI names, its LoggedModel (None for a run's
+    artifacts) and the artifact URI of its files: ``runs:/RUN_ID/PATH`` (a run's artifacts: ``model`` is
+    its best checkpoint's, that run's ``pipeline.model_id``), ``models:/NAME@ALIAS``,
     ``models:/NAME/VERSION`` (a registered version) or ``models:/MODEL_ID`` (a LoggedModel)."""
     if uri.startswith("runs:/"):
-        return uri.removeprefix("runs:/").split("/", 1)[0], uri
+        run_id, _, path = uri.removeprefix("runs:/").partition("/")
+        tags = client.get_run(run_id).data.tags
+        return run_id, tags.get(BEST_MODEL_TAG) if path.rstrip("/") == "model" else None, uri
     model_id = uri.removeprefix("models:/").rstrip("/")
     if "@" in model_id or "/" in model_id:
         if "@" in model_id:
@@ -148,16 +152,16 @@ def model_source(client: MlflowClient, uri: str) -> tuple[str, str]:
         else:
             version = client.get_model_version(*model_id.rsplit("/", 1))
         if not version.source.startswith("models:/"):  # a version registered from a run's artifacts
-            return version.run_id, version.source
+            return version.run_id, None, version.source
         model_id = version.source.removeprefix("models:/")
     model = client.get_logged_model(model_id)
-    return model.source_run_id, model.artifact_location
+    return model.source_run_id, model_id, model.artifact_location
 
 
 def download_model(client: MlflowClient, uri: str, into: str) -> str:
     """The files of the MLflow model ``uri`` names, downloaded into the directory ``into``; their path."""
     try:
-        _, files = model_source(client, uri)
+        *_, files = model_source(client, uri)
         return mlflow.artifacts.download_artifacts(artifact_uri=files, dst_path=into, tracking_uri=client.tracking_uri)
     except (MlflowException, OSError, ValueError) as err:
         from pipeline.tracking import redact  # tracking imports this module

@@ -25,6 +25,7 @@ import ray
 import ray.data
 import torch
 from hydra.utils import instantiate
+from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
@@ -127,7 +128,17 @@ def trained_run(client, experiment: str, name_or_id: str | None):
     )
 
 
-def load_weights(client, run, checkpoint: str | None, uri: str | None) -> tuple[dict, dict | None]:
+def scored_model(client, run, predict: dict) -> str | None:
+    """The LoggedModel whose weights predict uses: the one ``predict.run`` names as an MLflow model URI,
+    else the run's best; None for ``predict.checkpoint``."""
+    if predict["checkpoint"] is not None:
+        return None
+    if predict["run"] is not None and predict["run"].startswith(models.MODEL_URI_SCHEMES):
+        return models.model_source(client, predict["run"])[1]
+    return run.data.tags.get(models.BEST_MODEL_TAG)
+
+
+def load_weights(client, run, checkpoint: str | None, uri: str | None = None) -> tuple[dict, dict | None]:
     """The model's state dict and the feature statistics training standardized with (None when it did
     not), from ``checkpoint`` (a pipeline checkpoint.pt, its directory, or a bare state dict), the MLflow
     model ``uri`` names, or else the run's logged model; statistics from the run's ``feature_statistics.json``
@@ -187,6 +198,31 @@ def score(table: pa.Table, label: str | None, task: dict, seconds: float) -> dic
     return metrics
 
 
+def prediction_split(cfg: dict, evaluating: bool) -> tuple[str, source.Split, str | None]:
+    """The rows to predict over: ``predict.source``, else ``source.test``, else ``source.valid``; the key
+    that named them, the checked split and its label column (None where it has none: evaluating needs one)."""
+    src = cfg["source"]
+    key, where = next(
+        (k, v)
+        for k, v in (
+            ("predict.source", cfg["predict"]["source"]),
+            ("source.test", src["test"]),
+            ("source.valid", src["valid"]),
+        )
+        if v
+    )
+    layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
+    split = source.check_split(key, where, *locate(where, src["s3"], key), layout.inputs)
+    split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
+    label = layout.label if layout.label in split.columns else None
+    if evaluating and label is None:
+        raise PipelineError(
+            f"stage=evaluate compares predictions with labels, but {key} {where} has no column {layout.label!r} "
+            "(source.label_column)."
+        )
+    return key, split, label
+
+
 def run(cfg: dict, job) -> dict:
     """Predict over ``predict.source`` with a trained run's model; returns the logged metrics."""
     console.quiet_libraries()
@@ -204,22 +240,13 @@ def run(cfg: dict, job) -> dict:
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
     weights, statistics = load_weights(client, model_run, predict["checkpoint"], predict["run"])
-    layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
     classes = trained_cfg["source"].get("classes")  # the model's classes, by name where labels were names
-    place = locate(predict["source"], src["s3"], "predict.source")
-    split = source.check_split("predict.source", predict["source"], *place, layout.inputs)
-    split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
-    label = layout.label if layout.label in split.columns else None
-    if cfg["stage"] == "evaluate" and label is None:
-        raise PipelineError(
-            f"stage=evaluate compares predictions with labels, but predict.source {predict['source']} has no "
-            f"column {layout.label!r} (source.label_column)."
-        )
+    key, split, label = prediction_split(cfg, evaluating=cfg["stage"] == "evaluate")
     output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src["s3"])
     cluster.connect(cluster.runtime(cfg["ray"], cfg["scaling"]))
     cluster.check_shared(
-        cfg["ray"]["address"], {"predict.source": split.files[0] if split.local else None, "predict.output": output}
+        cfg["ray"]["address"], {key: split.files[0] if split.local else None, "predict.output": output}
     )
 
     if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
@@ -229,8 +256,11 @@ def run(cfg: dict, job) -> dict:
     tags = {STAGE_TAG: cfg["stage"], PREDICTIONS_TAG: output}
     run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
     tracking.log_data(client, run_id, {"prediction": split}, None)
+    model_id = scored_model(client, model_run, predict) if model_run else None
+    if model_id is not None:  # the run, and its metrics, linked to the LoggedModel it scored
+        client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
     with tracking.recorded(client, run_id):
-        columns = [layout.model_input] + ([label] if label else []) + ["path"]
+        columns = [split.layout.model_input] + ([label] if label else []) + ["path"]
         rows = preprocess.dataset(split, split.steps, columns, src)
         predictor = {
             "model_cfg": model_cfg,
@@ -238,7 +268,7 @@ def run(cfg: dict, job) -> dict:
             "weights": [ray.put(weights)],
             "normalize": cfg["ingest"]["normalize"],
             "statistics": statistics,
-            "feature": layout.model_input,
+            "feature": split.layout.model_input,
             "label": label,
             "use_gpu": cfg["scaling"]["use_gpu"],
             "train_cfg": cfg["train"],
@@ -261,7 +291,8 @@ def run(cfg: dict, job) -> dict:
         if cfg["stage"] == "evaluate":  # where it errs: per class, or its residuals
             every = classes or list(range(trained_cfg["source"]["num_classes"] or 0))  # what the model can predict
             metrics |= evaluate.report(client, run_id, table, label, task_cfg, every)
-        tracking.log_metrics(client, run_id, metrics, step=0)
+        measured_on = (tracking.dataset_name(split), split.digest)
+        tracking.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, tracking.redact(output))
     return metrics

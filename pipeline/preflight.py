@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from pipeline import build, cluster, finetune, source, tracking
+from pipeline import build, cluster, finetune, predict, source, tracking
 from pipeline.config import PipelineError, check_targets
 from pipeline.filesystems import make_dir
 from pipeline.finetune import Initial
@@ -26,6 +26,8 @@ def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
     checks the ``_target_`` callables and opens the MLflow store (a new SQLite store creates its
     tables), work that would otherwise come one after the other."""
     splits = build.sources(cfg)
+    if cfg["train"]["evaluate"]:  # the rows evaluation scores after training
+        predict.prediction_split(cfg, evaluating=True)
     initial = finetune.start_weights(cfg)
     storage = cfg["storage"]["path"]
     if storage is not None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from ray.exceptions import RayError
 
-from pipeline import console, events, filesystems, preflight, preprocess, source, task, tracking, trainer
+from pipeline import console, events, filesystems, predict, preflight, preprocess, source, task, tracking, trainer
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.tracking import Tracker
@@ -68,6 +68,9 @@ def run(cfg: dict, job: Job) -> dict:
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
                 tracker.flag_no_learning(verdict)
+    if cfg["train"]["evaluate"]:  # the best model on the held-out rows (source.test), in a run nested under this one
+        settings = {"stage": "evaluate", "predict": {**cfg["predict"], "run": tracker.run_id}}
+        predict.run({**cfg, **settings, "tracking": {**cfg["tracking"], "run_name": None}}, job)
     metric = cfg["optimized_metric"]
     log.info("finished: %s %.4f; %s", metric, tracker.last[metric], tracking.run_link(tracker.uri, tracker.run_id))
     return {k: tracker.last[k] for k in tracker.metrics}

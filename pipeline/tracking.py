@@ -280,16 +280,15 @@ def log_metrics(
     metrics: dict,
     step: int,
     model_id: str | None = None,
-    datasets: dict[str, tuple[str, str]] | None = None,
+    dataset_of: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     """``metrics`` (name -> number) in one request, at ``step``; linked to the LoggedModel ``model_id`` when
-    given, and ``train_*`` and ``val_*`` ones to their split's dataset (``datasets``: split -> name, digest)."""
-    now, datasets = int(time.time() * 1000), datasets or {}
-    of_prefix = {"train": datasets.get("train"), "val": datasets.get("valid")}
-    records = []
-    for key, value in metrics.items():
-        name, digest = of_prefix.get(key.split("_", 1)[0]) or (None, None)
-        records.append(Metric(key, float(value), now, step, model_id, name, digest))
+    given, and to the dataset each was measured on (``dataset_of``: metric -> dataset name and digest)."""
+    now, dataset_of = int(time.time() * 1000), dataset_of or {}
+    records = [
+        Metric(key, float(value), now, step, model_id, *dataset_of.get(key, (None, None)))
+        for key, value in metrics.items()
+    ]
     client.log_batch(run_id, metrics=records)
 
 
@@ -433,7 +432,7 @@ class Tracker:
         self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
         self.expected_rows: dict[str, int] = {}
         self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
-        self.datasets: dict[str, tuple[str, str]] = {}  # split -> dataset name and digest, for metrics to link to
+        self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         self.kept = models.kept_models(self.client, self.experiment_id, run_id)  # a LoggedModel per kept checkpoint
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
@@ -489,7 +488,7 @@ class Tracker:
         if checkpoint is not None and self.settings["log_model"]:
             kept = models.start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
         model_id = kept.model_id if kept else None
-        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.datasets)
+        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.dataset_of)
         if kept is not None:
             self.log_checkpoint(kept)
         note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
@@ -552,6 +551,7 @@ class Tracker:
         job's version when it ends: sweep.py)."""
         with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
             log_model(self.client, self.run_id, os.path.join(local, CHECKPOINT_FILE))
+        self.client.set_tag(self.run_id, models.BEST_MODEL_TAG, kept.model_id)
         if register_as is not None:
             version = models.register_model(self.client, self.run_id, register_as, alias, kept.model_id)
             log.info(
@@ -564,7 +564,10 @@ class Tracker:
 
     def log_data(self, splits: dict, statistics: dict | None) -> None:
         """What the run trains and validates on (a resumed run logged it on its first start)."""
-        self.datasets = {name: (dataset_name(split), split.digest) for name, split in splits.items()}
+        measured_on = {"train": splits["train"], "val": splits["valid"]}  # train_loss, val_accuracy, ...
+        for key in self.metrics:
+            if (split := measured_on.get(key.split("_", 1)[0])) is not None:
+                self.dataset_of[key] = (dataset_name(split), split.digest)
         if self.resume_from is None:
             log_data(self.client, self.run_id, splits, statistics)
 

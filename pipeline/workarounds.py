@@ -1,6 +1,6 @@
-"""Every workaround for Ray's own behaviour (ray 2.60.0), each with the behaviour it targets; each is
-pinned by a canary in ``tests/test_ray_canaries.py`` that fails when Ray changes that behaviour.
-All run on the driver.
+"""Every workaround for Ray's own behaviour (ray 2.60.0), and MLflow's (3.17), each with the behaviour it
+targets; each is pinned by a canary in ``tests/test_ray_canaries.py`` that fails when that behaviour
+changes. All run on the driver.
 """
 
 from __future__ import annotations
@@ -21,6 +21,25 @@ from pipeline.config import PipelineError
 
 if TYPE_CHECKING:  # not at run time: Ray Data's tasks import this module (through preprocess), and torch's
     from ray.train.torch import TorchTrainer  # import would delay each new task process by seconds
+
+
+@contextlib.contextmanager
+def global_tracking_uri(uri: str):
+    """MLflow's global tracking URI set to ``uri`` while the block runs, then back as it was.
+
+    MLflow 3.17: a model version whose source is ``models:/MODEL_ID`` (a LoggedModel: what links the
+    version to it in the UI) is looked up by the SQL registry in the global tracking URI's store, not in
+    the calling client's. Setting the global URI also exports ``MLFLOW_TRACKING_URI``, which a later
+    job's ``tracking.uri`` would read: so it is put back at once.
+    """
+    import mlflow  # here: Ray Data's tasks import this module, and MLflow's import takes seconds
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None unsets the variable
 
 
 def local_runtime_settings() -> None:

@@ -182,7 +182,8 @@ def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_sto
             f"storage.path={tmp_path / 'storage'}",
             "scaling.resources_per_worker.CPU=0.5",
             "+scaling.resources_per_worker.trial_slot=1",
-            "tracking.register_as=wine",  # every trial's model a version; champion: the best trial's
+            "tracking.register_as=wine",  # every trial's best checkpoint a version; champion: the best trial's
+            "train.checkpoint_metric=val_accuracy",
             "hydra.sweep.dir=sweep",
         ],
         tmp_path,
@@ -212,7 +213,13 @@ def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_sto
     assert best.data.metrics["val_accuracy"] > 0.8 and "pipeline.stopped_early" not in best.data.tags
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
     assert {"config.yaml", "model", "learning_curve.png"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
-    assert client.get_model_version_by_alias("wine", "champion").run_id == best.info.run_id
+    champion = client.get_model_version_by_alias("wine", "champion")
+    assert champion.run_id == best.info.run_id
+    accuracy = {m.step: m.value for m in client.get_metric_history(best.info.run_id, "val_accuracy")}
+    logged = client.search_logged_models([best.info.experiment_id], f"source_run_id = '{best.info.run_id}'")
+    epoch_of = {m.model_id: int(m.tags["pipeline.epoch"]) for m in logged}
+    assert sorted(epoch_of.values()) == sorted(accuracy)  # a LoggedModel per epoch's checkpoint
+    assert accuracy[epoch_of[champion.source.removeprefix("models:/")]] == max(accuracy.values())  # its best, not last
     assert len(client.search_model_versions("name = 'wine'")) == 3
     trial = best.data.tags["pipeline.tune_trial_id"]
     assert (tmp_path / "sweep" / trial / "metrics.jsonl").exists()

@@ -172,6 +172,7 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["source.on_missing=mean"], r"source.on_missing=mean fills in the training mean that ingest.standardize"),
         (["train.early_stop.patience=0"], r"train.early_stop.patience must be >= 1 or null"),
         (["train.early_stop.metric=val_mae"], r"train.early_stop.metric must be null or one of train_loss, val_loss"),
+        (["train.evaluate=true", "tracking.log_model=false"], r"train.evaluate evaluates the run's logged model"),
     ],
 )
 def test_validation_names_the_bad_key(overrides, message):

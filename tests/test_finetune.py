@@ -21,6 +21,7 @@ from pipeline import finetune, models, predict, preflight
 from pipeline.build import Job
 from pipeline.config import PipelineError
 from pipeline.run import run
+from pipeline.workarounds import global_tracking_uri
 
 FEATURES = [f"x{i}" for i in range(8)]
 
@@ -150,7 +151,6 @@ def test_each_kept_checkpoint_is_a_logged_model_linked_to_its_epoch_and_loads_wi
     root, _ = pretrained
     uri = f"sqlite:///{root / 'outputs' / 'mlflow.db'}"
     client = MlflowClient(uri)
-    mlflow.set_tracking_uri(uri)  # for mlflow.models.get_model_info
     version = client.get_model_version_by_alias("xor", "champion")
     run = client.get_run(version.run_id)
     accuracy = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_accuracy")}
@@ -167,7 +167,8 @@ def test_each_kept_checkpoint_is_a_logged_model_linked_to_its_epoch_and_loads_wi
         linked = {m.key: m for m in model.metrics}
         assert linked["val_accuracy"].value == accuracy[epoch] and linked["val_accuracy"].step == epoch
         assert linked["val_accuracy"].dataset_name == "four/valid" and linked["train_loss"].dataset_name == "four/train"
-        info = mlflow.models.get_model_info(f"models:/{model.model_id}")
+        with global_tracking_uri(uri):  # mlflow.models reads the global store
+            info = mlflow.models.get_model_info(f"models:/{model.model_id}")
         assert info.signature.inputs.to_dict() == [
             {"type": "tensor", "tensor-spec": {"dtype": "float32", "shape": (-1, 8)}}
         ]

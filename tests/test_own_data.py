@@ -367,9 +367,10 @@ def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path,
         "train.epochs=5",
         "source.on_missing=mean",  # the missing values become the training mean; every row counts
         f"paths.outputs={tmp_path / 'outputs'}",
+        "train.evaluate=true",  # evaluation as training's last step, on source.test: here the validation rows
+        f"source.test={tmp_path / 'data' / 'diabetes' / 'valid'}",
     ]
     run(compose_cfg(args), Job(str(tmp_path / "train"), "diabetes_mlp"))
-    predict.run(compose_cfg([*args, "stage=evaluate"]), Job(str(tmp_path / "evaluate"), "diabetes_mlp"))
     training, written = predicted_as_validated(
         tmp_path / "outputs", "diabetes_mlp", ("val_mae", "val_rmse"), "evaluate"
     )
@@ -377,6 +378,12 @@ def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path,
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (evaluation,) = client.search_runs([training.info.experiment_id], "tags.`pipeline.stage` = 'evaluate'")
     assert "residuals.png" in {a.path for a in client.list_artifacts(evaluation.info.run_id)}
+    # the evaluation is linked to the LoggedModel it scored, and its metrics to the model and the rows
+    model_id = training.data.tags["pipeline.model_id"]
+    assert [m.model_id for m in client.get_run(evaluation.info.run_id).inputs.model_inputs] == [model_id]
+    scored = {m.key: m for m in client.get_logged_model(model_id).metrics}
+    assert scored["predict_mae"].value == evaluation.data.metrics["predict_mae"]
+    assert scored["predict_mae"].dataset_name == "diabetes/valid" and scored["val_mae"].dataset_name == "diabetes/valid"
     assert training.data.metrics["val_mae"] < 60  # predicting the mean scores about 64
     assert "pipeline.no_learning" not in training.data.tags
 

@@ -4,6 +4,7 @@ the replica's output against the model's own (end to end: test_pipeline.py, test
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -12,9 +13,9 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import tracking, worker
+from pipeline import preflight, source, tracking, worker
 from pipeline.config import PipelineError
-from pipeline.predict import Predictor, check_output, load_weights, trained_run
+from pipeline.predict import Predictor, check_output, load_weights, prediction_split, trained_run
 
 
 @pytest.fixture
@@ -51,8 +52,8 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     (tmp_path / "ckpt").mkdir()
     torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / worker.CHECKPOINT_FILE)
     torch.save(weights, tmp_path / "bare.pt")
-    for source in (tmp_path / "ckpt", tmp_path / "ckpt" / worker.CHECKPOINT_FILE, tmp_path / "bare.pt"):
-        loaded, statistics = load_weights(client, None, str(source))
+    for weights_file in (tmp_path / "ckpt", tmp_path / "ckpt" / worker.CHECKPOINT_FILE, tmp_path / "bare.pt"):
+        loaded, statistics = load_weights(client, None, str(weights_file))
         assert torch.equal(loaded["w"], weights["w"]) and statistics is None
     standardized = {"mean": [1.0, 2.0], "std": [3.0, 4.0]}  # a checkpoint of a run with ingest.standardize
     torch.save({"model": weights, "optimizer": {}, "feature_statistics": standardized}, tmp_path / "std.pt")
@@ -110,3 +111,22 @@ def test_predict_without_a_trained_run_says_what_to_do(tmp_path, data_root):
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output
     assert "predict: there is no MLflow experiment 'smoke'" in output and "predict.checkpoint=PATH" in output
+
+
+def test_evaluation_scores_source_test_when_given_and_a_test_split_without_labels_fails_before_training(tmp_path):
+    """predict.source, else source.test, else source.valid; train.evaluate checks the rows it will score
+    before the run starts (here before Ray would)."""
+    source.write_sklearn(str(tmp_path), "wine")
+    wine = tmp_path / "wine"
+    rows = pq.read_table(wine / "valid")
+    (wine / "test").mkdir()
+    pq.write_table(rows.slice(0, 20).drop(["target"]), wine / "test" / "part.parquet")
+    base = ["+experiment=wine_mlp", f"source.root={tmp_path}"]
+    key, split, label = prediction_split(compose_cfg(base), evaluating=True)
+    assert (key, split.rows, label) == ("source.valid", rows.num_rows, "target")
+    key, split, label = prediction_split(compose_cfg([*base, f"source.test={wine / 'test'}"]), evaluating=False)
+    assert (key, split.rows, label) == ("source.test", 20, None)
+    given = [*base, f"source.test={wine / 'test'}", f"predict.source={wine / 'valid'}"]
+    assert prediction_split(compose_cfg(given), evaluating=True)[0] == "predict.source"
+    with pytest.raises(PipelineError, match=r"stage=evaluate .* but source.test .*/test has no column 'target'"):
+        preflight.checked(compose_cfg([*base, f"source.test={wine / 'test'}", "train.evaluate=true"]))

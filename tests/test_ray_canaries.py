@@ -3,6 +3,7 @@ for. When one fails, Ray has changed: revisit the workaround it names, then the 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -128,3 +129,30 @@ def test_a_tune_trial_stopped_early_leaves_its_training_placement_group_behind(r
     )
     release_placement_group(group_id)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_a_version_of_a_logged_model_is_looked_up_in_the_global_tracking_store(tmp_path, monkeypatch):
+    """Workaround: ``global_tracking_uri``. MLflow's SQL registry finds a ``models:/MODEL_ID`` source in
+    the global tracking URI's store, not the calling client's; the workaround sets it for the call and
+    puts ``MLFLOW_TRACKING_URI`` back."""
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.workarounds import global_tracking_uri
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    mlflow.set_tracking_uri(None)  # as a fresh process: the variable decides
+    ours = f"sqlite:///{tmp_path / 'ours.db'}"
+    client = MlflowClient(ours)
+    model = client.create_logged_model(client.create_experiment("canary"), name="m")
+    client.create_registered_model("m")
+    with pytest.raises(MlflowException, match=f"Logged model with ID '{model.model_id}' not found"):
+        client.create_model_version("m", source=f"models:/{model.model_id}", model_id=model.model_id)
+    with global_tracking_uri(ours):
+        version = client.create_model_version("m", source=f"models:/{model.model_id}", model_id=model.model_id)
+    try:
+        assert version.source == f"models:/{model.model_id}"
+        assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'elsewhere.db'}"  # put back
+    finally:
+        mlflow.set_tracking_uri(None)

@@ -89,7 +89,8 @@ def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id
     assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
     champion = client.get_model_version_by_alias("smoke_vit", "champion")  # moved there as the sweep ended
-    assert champion.run_id == best.info.run_id and champion.source == f"runs:/{best.info.run_id}/model"
+    (model,) = client.search_logged_models([experiment.experiment_id], f"source_run_id = '{best.info.run_id}'")
+    assert champion.run_id == best.info.run_id and champion.source == f"models:/{model.model_id}"  # its checkpoint
 
 
 def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_goes_on(tmp_path, data_root):
@@ -243,6 +244,7 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_
     assert "Model registry" in run_page and "Judges" not in run_page and "Sessions" not in run_page
     assert child.info.run_name in run_page and accuracy in run_page
     assert "Registered models\nsmoke_vit\nv1" in run_page  # the model version it registered
+    assert "checkpoint-0" in run_page  # its one epoch's checkpoint, a LoggedModel
     assert "data_wait_fraction" in charts  # a chart per metric, by name
     assert "3 matching runs" in table and "Judges" not in table  # the parent and 2 children
     assert (tmp_path / "run.png").stat().st_size > 10_000

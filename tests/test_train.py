@@ -24,7 +24,17 @@ def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_cli
     layout = Layout(["x"], "x", "y", stacked=False)
     params = model.parameters()
     return Replica(
-        model, optimizer(params, lr=lr), None, scaler, autocast, Task(task), None, layout, grad_clip, on_nonfinite
+        model,
+        optimizer(params, lr=lr),
+        None,
+        scaler,
+        autocast,
+        Task(task),
+        None,
+        lambda x: x,
+        layout,
+        grad_clip,
+        on_nonfinite,
     )
 
 
