@@ -103,15 +103,16 @@ def start_ray(
     else:
         check_reachable(address)
     try:
-        ray.init(
-            address=address or "local",
-            num_cpus=num_cpus if address is None else None,
-            object_store_memory=object_store_memory if address is None else None,
-            runtime_env=env or None,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-            include_dashboard=False if address is None else None,
-        )
+        with workarounds.own_sigterm_handler():
+            ray.init(
+                address=address or "local",
+                num_cpus=num_cpus if address is None else None,
+                object_store_memory=object_store_memory if address is None else None,
+                runtime_env=env or None,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                include_dashboard=False if address is None else None,
+            )
     except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
         raise unreachable(address, err) from err
     if address is None:

@@ -104,6 +104,21 @@ def descendants(pid: int) -> dict[int, str]:
 _stop_requests: list[BaseException] = []
 
 
+@contextlib.contextmanager
+def own_sigterm_handler():
+    """The process's SIGTERM handler (the pipeline's :func:`request_stop`) put back after the block.
+
+    Ray 2.60: ``ray.init`` replaces a driver's SIGTERM handler with its own ``sys.exit``, behind its
+    failure signal handler (absl's), which prints a stack trace and arms a 3 s alarm that aborts the
+    process. Ending the MLflow run (the checkpoints' models saved, the learning curve) can take longer on
+    a busy machine: the run stayed RUNNING. The pipeline's handler, put back, replaces both."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def request_stop(error: BaseException) -> None:
     """A signal handler's body: raise ``error`` (KeyboardInterrupt, SystemExit) now, and again from
     :func:`fit_off_main_thread`'s wait loop. An exception a handler raises while a finalizer runs on

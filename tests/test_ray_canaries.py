@@ -156,3 +156,44 @@ def test_a_version_of_a_logged_model_is_looked_up_in_the_global_tracking_store(t
         assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'elsewhere.db'}"  # put back
     finally:
         mlflow.set_tracking_uri(None)
+
+
+ABORTED_AFTER_SIGTERM = """
+import os, signal, sys, time
+
+
+def ours(signum, frame):
+    raise SystemExit(143)
+
+
+signal.signal(signal.SIGTERM, ours)
+import ray
+
+ray.init(num_cpus=1, include_dashboard=False)
+print("replaced" if signal.getsignal(signal.SIGTERM) is not ours else "kept", flush=True)
+if sys.argv[1] == "put back":
+    signal.signal(signal.SIGTERM, ours)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+except SystemExit:
+    time.sleep(4)  # a cleanup longer than Ray's alarm
+    print("cleaned up", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["Ray's", "put back"])
+def test_ray_init_replaces_the_sigterm_handler_with_one_that_aborts_a_slow_cleanup_after_3_s(handler):
+    """Workaround: ``own_sigterm_handler``. After ``ray.init``, a SIGTERM goes to Ray's failure handler
+    (a stack trace, and an alarm that aborts the process 3 s later), then to its ``sys.exit``; the
+    process's own handler, put back, replaces both."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", ABORTED_AFTER_SIGTERM, handler], capture_output=True, text=True)
+    assert "replaced" in done.stdout
+    if handler == "Ray's":
+        assert done.returncode == -signal.SIGABRT and "cleaned up" not in done.stdout, done.stderr[-2000:]
+        assert "SIGTERM received" in done.stderr
+    else:
+        assert done.returncode == 0 and "cleaned up" in done.stdout, done.stderr[-2000:]
+        assert "SIGTERM received" not in done.stderr
