@@ -10,13 +10,11 @@ as a state dict: what fine-tuning and prediction read (``weights_only=True``).
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 from dataclasses import dataclass
 
 import mlflow
-import mlflow.pytorch
 import torch
 import torchvision
 from hydra.utils import instantiate
@@ -26,10 +24,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
 
 from pipeline.config import PipelineError
-from pipeline.workarounds import global_tracking_uri
+from pipeline.workarounds import global_tracking_uri, import_mlflow_pytorch
 from pipeline.worker import CHECKPOINT_FILE, feature_scaler
 
-log = logging.getLogger(__name__)
+mlflow_pytorch = import_mlflow_pytorch()
 
 MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@ALIAS, models:/NAME/VERSION, models:/ID
 WEIGHTS_FILE = "state_dict.pt"  # a logged model's weights as a state dict
@@ -75,7 +73,7 @@ def log_checkpoint(client: MlflowClient, run_id: str, cfg: dict, local: str, kep
         weights = os.path.join(tmp, WEIGHTS_FILE)
         torch.save(state["model"], weights)
         files = os.path.join(tmp, "model")
-        mlflow.pytorch.save_model(
+        mlflow_pytorch.save_model(
             served,
             files,
             mlflow_model=Model(run_id=run_id, model_id=kept.model_id, model_uuid=kept.model_id, metadata=metadata),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -40,6 +41,22 @@ def global_tracking_uri(uri: str):
         yield
     finally:
         mlflow.set_tracking_uri(before)  # None unsets the variable
+
+
+def import_mlflow_pytorch():
+    """``mlflow.pytorch``, imported without its side effect on logging.
+
+    MLflow 3.17: importing it calls ``logging.basicConfig(level=logging.ERROR)`` (its Lightning autolog
+    module does), so in a process whose root logger has no handler yet (pytest, a notebook, a script
+    calling the pipeline) every warning below ERROR was silenced from then on: the root logger is put
+    back as it was."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    import mlflow.pytorch  # here: Ray Data's tasks import this module, and MLflow's import takes seconds
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    return mlflow.pytorch
 
 
 def local_runtime_settings() -> None:

@@ -3,6 +3,7 @@ for. When one fails, Ray has changed: revisit the workaround it names, then the 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -197,3 +198,13 @@ def test_ray_init_replaces_the_sigterm_handler_with_one_that_aborts_a_slow_clean
     else:
         assert done.returncode == 0 and "cleaned up" in done.stdout, done.stderr[-2000:]
         assert "SIGTERM received" not in done.stderr
+
+
+@pytest.mark.parametrize("how", ["import mlflow.pytorch", "pipeline.workarounds.import_mlflow_pytorch()"])
+def test_importing_mlflow_pytorch_silences_warnings_unless_the_root_logger_is_put_back(how):
+    """Workaround: ``import_mlflow_pytorch``. MLflow's import sets the root logger to ERROR."""
+    import subprocess
+
+    code = f"import logging, pipeline.workarounds\n{how}\nprint(logging.getLogger().level)"
+    level = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert int(level) == (logging.ERROR if how.startswith("import") else logging.WARNING)
