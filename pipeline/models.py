@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import mlflow
 import torch
-import torchvision
 from hydra.utils import instantiate
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModelOutput
@@ -79,7 +79,7 @@ def log_checkpoint(client: MlflowClient, run_id: str, cfg: dict, local: str, kep
             mlflow_model=Model(run_id=run_id, model_id=kept.model_id, model_uuid=kept.model_id, metadata=metadata),
             signature=signature,
             input_example=example.numpy(),
-            pip_requirements=[f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, torchvision)],
+            pip_requirements=[f"{name}=={version(name).split('+')[0]}" for name in ("torch", "torchvision")],
             extra_files=[weights],
             serialization_format="pt2",
         )
