@@ -100,16 +100,18 @@ def start_model(client: MlflowClient, run_id: str, experiment_id: str, epoch: in
     return Kept(model.model_id, epoch, checkpoint)
 
 
-def kept_models(client: MlflowClient, experiment_id: str, run_id: str) -> list[Kept]:
-    """The run's LoggedModels that hold their files (a resumed run's earlier ones included), by epoch."""
-    found, token = [], None
+def kept_models(client: MlflowClient, experiment_id: str, run_id: str) -> tuple[list[Kept], list[Kept]]:
+    """The run's checkpoints' LoggedModels (a resumed run's earlier ones), by epoch: those that hold their
+    files, and those still waiting for them (the run was interrupted before training ended)."""
+    ready, pending, token = [], [], None
     while True:
-        page = client.search_logged_models(
-            [experiment_id], filter_string=f"source_run_id = '{run_id}' AND status = 'READY'", page_token=token
-        )
-        found += [Kept(m.model_id, int(m.tags[EPOCH_TAG]), m.tags[CHECKPOINT_TAG]) for m in page if EPOCH_TAG in m.tags]
+        page = client.search_logged_models([experiment_id], f"source_run_id = '{run_id}'", page_token=token)
+        for model in page:
+            if EPOCH_TAG in model.tags:
+                kept = Kept(model.model_id, int(model.tags[EPOCH_TAG]), model.tags[CHECKPOINT_TAG])
+                (ready if str(model.status) == "READY" else pending).append(kept)
         if not page.token:
-            return sorted(found, key=lambda kept: kept.epoch)
+            return sorted(ready, key=lambda k: k.epoch), sorted(pending, key=lambda k: k.epoch)
         token = page.token
 
 

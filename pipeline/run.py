@@ -58,8 +58,7 @@ def run(cfg: dict, job: Job) -> dict:
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
-            tracker.models_logged()
-            tracker.keep_only({checkpoint.path for checkpoint, _ in result.best_checkpoints})
+            tracker.save_models({checkpoint.path for checkpoint, _ in result.best_checkpoints})
             mode = trainer.checkpoint_mode(cfg["train"], cfg["task"])
             best = tracker.best_model(cfg["train"]["checkpoint_metric"], mode)  # by it, or else the last
             if best is not None:  # tracking.log_model

@@ -16,7 +16,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,12 +433,10 @@ class Tracker:
         self.expected_rows: dict[str, int] = {}
         self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
-        self.kept = models.kept_models(self.client, self.experiment_id, run_id)  # a LoggedModel per kept checkpoint
+        # a LoggedModel per checkpoint: made as its epoch is logged, its files saved once training ends
+        self.kept, self.pending = models.kept_models(self.client, self.experiment_id, run_id)
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
-        # a checkpoint's LoggedModel is exported on this thread, so the workers' events wait for none
-        self._exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logged-models")
-        self._exporting: list[tuple[models.Kept, Future]] = []
 
     # The tracker factory: every run the pipeline writes is created or reopened by one of these three.
 
@@ -494,7 +491,7 @@ class Tracker:
         model_id = kept.model_id if kept else None
         log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.dataset_of)
         if kept is not None:
-            self._exporting.append((kept, self._exports.submit(self.log_checkpoint, kept)))
+            self.pending.append(kept)
         note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
         if note is not None:
             self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
@@ -524,32 +521,31 @@ class Tracker:
         count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
         self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
 
-    def models_logged(self) -> None:
-        """Wait for every checkpoint's LoggedModel to hold its files; one that could not be made fails the run."""
-        exporting, self._exporting = self._exporting, []
-        for kept, export in exporting:
-            if (error := export.exception()) is not None:
-                raise PipelineError(
-                    f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
-                    f"({type(error).__name__}: {error}). Set tracking.log_model=false to train without logged models."
-                ) from error
-
-    def log_checkpoint(self, kept: models.Kept) -> None:
-        """The checkpoint's files into its LoggedModel (on the export thread). One that Ray Train has dropped
-        already (``train.num_to_keep``: a worse one, a later epoch in) is not kept: its LoggedModel goes too."""
-        try:
-            with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
-                models.log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
-        except FileNotFoundError:
-            self.client.delete_logged_model(kept.model_id)
-            return
-        self.kept.append(kept)
-
-    def keep_only(self, checkpoints: set[str]) -> None:
-        """Delete the LoggedModels of checkpoints that Ray Train no longer keeps (``train.num_to_keep``)."""
-        for kept in [k for k in self.kept if k.checkpoint not in checkpoints]:
+    def save_models(self, keep: set[str] | None) -> None:
+        """The checkpoints' LoggedModels get their files, once training has ended (``torch.export`` takes the
+        GIL for seconds, which would slow training and the driver's answer to Ctrl-C). Those of checkpoints
+        Ray Train no longer keeps (not in ``keep``, when given; ``train.num_to_keep``) are deleted, as are
+        those whose checkpoint is gone. A model that cannot be saved fails the run, naming the error."""
+        for kept in [k for k in self.kept if keep is not None and k.checkpoint not in keep]:
             self.client.delete_logged_model(kept.model_id)
             self.kept.remove(kept)
+        pending, self.pending = self.pending, []
+        for kept in pending:
+            if keep is not None and kept.checkpoint not in keep:
+                self.client.delete_logged_model(kept.model_id)
+                continue
+            try:
+                with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
+                    models.log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
+            except FileNotFoundError:  # dropped by Ray Train
+                self.client.delete_logged_model(kept.model_id)
+                continue
+            except Exception as err:  # torch.export cannot trace every model
+                raise PipelineError(
+                    f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
+                    f"({type(err).__name__}: {err}). Set tracking.log_model=false to train without logged models."
+                ) from err
+            self.kept.append(kept)
 
     def best_model(self, metric: str | None, mode: str) -> models.Kept | None:
         """The kept checkpoint best by ``metric`` (``mode``: max or min; the earliest of equals), or the
@@ -598,8 +594,7 @@ class Tracker:
             self.client.log_metric(self.run_id, f"cache_{name}_s", built["seconds"])
 
     def end(self, status: str, error: BaseException | None = None) -> None:
-        """The exports under way finished, the learning curve, if any epoch was logged, then the end state."""
-        self._exports.shutdown(wait=True)
+        """The learning curve, if any epoch was logged, then the end state."""
         if self.logged:
             log_learning_curve(self.client, self.run_id, self.curve_metric)
         end_run(self.client, self.run_id, status, error)

@@ -271,7 +271,7 @@ class TrialRecorder(tune.Callback):
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
             tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)
-        tracker.models_logged()
+        tracker.save_models(None)
         train = running.cfg["train"]
         best = tracker.best_model(train["checkpoint_metric"], checkpoint_mode(train, running.cfg["task"]))
         if best is not None:  # tracking.log_model; the alias: the sweep's best trial's, when it ends
