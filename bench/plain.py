@@ -106,14 +106,17 @@ def loader(
     return Normalized(batches, cfg["ingest"]["normalize"]) if cfg["ingest"]["normalize"] else batches
 
 
-def train(cfg: dict, lean: bool, shuffle: bool = False) -> dict:
+def train(cfg: dict, lean: bool, shuffle: bool = False, device: str = "cpu") -> dict:
     """The config's training in this process, fed by :func:`loader`: the model, optimizer, schedule, seed,
-    batch size and epochs of ``cfg``. Per epoch: samples/s of the training loop, the share of it spent
-    waiting for the next batch (as the pipeline's ``data_wait_fraction``), and validation accuracy."""
+    batch size, epochs and mixed precision (``train.amp``, on CUDA) of ``cfg``, on ``device``. Per epoch:
+    samples/s of the training loop, the share of it spent waiting for the next batch (as the pipeline's
+    ``data_wait_fraction``), and validation accuracy."""
     torch.manual_seed(cfg["train"]["seed"])
     if cfg["scaling"]["torch_threads"]:
         torch.set_num_threads(cfg["scaling"]["torch_threads"])
-    model = instantiate(cfg["model"], _convert_="all")
+    model = instantiate(cfg["model"], _convert_="all").to(device)
+    amp = cfg["train"]["amp"] and device.startswith("cuda")  # bfloat16 needs no GradScaler
+    autocast = torch.autocast("cuda", dtype=getattr(torch, cfg["train"]["amp_dtype"]), enabled=amp)
     optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
     train_batches = loader(cfg, "train", True, lean=lean, shuffle=shuffle)
     valid_batches = loader(cfg, "valid", False)
@@ -131,14 +134,17 @@ def train(cfg: dict, lean: bool, shuffle: bool = False) -> dict:
             waited += time.perf_counter() - before
             if batch is None:
                 break
-            images, labels = batch
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            images, labels = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+            with autocast:
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             seen += len(labels)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()  # the last steps' kernels belong to this epoch
         elapsed = time.perf_counter() - start
         figures["samples_s"].append(round(seen / elapsed))
         figures["data_wait_fraction"].append(round(waited / elapsed, 3))
@@ -146,7 +152,9 @@ def train(cfg: dict, lean: bool, shuffle: bool = False) -> dict:
         correct = count = 0
         with torch.no_grad():
             for images, labels in valid_batches:
-                correct += (model(images).argmax(dim=1) == labels).sum().item()
+                with autocast:
+                    outputs = model(images.to(device))
+                correct += (outputs.argmax(dim=1).cpu() == labels).sum().item()
                 count += len(labels)
         figures["val_accuracy"].append(round(correct / count, 4))
     return figures

@@ -49,18 +49,20 @@ def table(rows: list[tuple], header: tuple) -> str:
     )
 
 
-def pipeline_run(args: list[str], outputs: Path, env: dict | None = None) -> dict:
+def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: Path | None = None) -> dict:
     """Run ``python -m pipeline ARGS`` as a user does; its figures come back from the MLflow run it logged
     in ``outputs``: samples/s, data_wait_fraction and val_accuracy per epoch, startup_s (command to first
-    training step), the cache's build seconds (when it cached) and the command's wall time."""
+    training step), the cache's build seconds (when it cached) and the command's wall time. The command's
+    console goes to ``log`` when given."""
     start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
+    with open(log, "w") if log else open(os.devnull, "w") as console:
+        subprocess.run(
+            [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"],
+            check=True,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     wall = time.perf_counter() - start
     client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
     run = client.search_runs([e.experiment_id for e in client.search_experiments()], order_by=["start_time DESC"])[0]
