@@ -103,7 +103,7 @@ def model_alone(cfg: dict, images: torch.Tensor, labels: torch.Tensor, steps: in
 
 def measure(name: str, seed: int, extra: list[str], workdir: Path) -> dict:
     """One set, one seed: the pipeline (and, for ``sorted``, unshuffled), the plain loop, the model alone."""
-    from pipeline.config import compose
+    from pipeline.cli import compose
 
     spec = SETS[name]
     root = [f"source.root={sorted_copy(workdir / 'sorted-data')}"] if name == "sorted" else []

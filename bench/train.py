@@ -49,7 +49,7 @@ def last_accuracy(figures: dict) -> dict:
 
 
 def main() -> None:
-    from pipeline.config import compose
+    from pipeline.cli import compose
 
     data_dir()
     with tempfile.TemporaryDirectory() as workdir:

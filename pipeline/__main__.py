@@ -17,7 +17,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import pipeline
-from pipeline.config import PipelineError, register
+from pipeline import cli
+from pipeline.config import register
+from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
 register()
@@ -67,4 +69,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    try:  # override mistakes Hydra would report as a traceback, as one paragraph
+        cli.check_overrides(sys.argv[1:])
+    except PipelineError as err:
+        sys.exit(f"error: {err}")
     main()

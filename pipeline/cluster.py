@@ -20,7 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline import workarounds
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.filesystems import is_s3
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from mlflow import MlflowClient
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 

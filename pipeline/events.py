@@ -23,7 +23,7 @@ from ray.exceptions import RayError
 from ray.util.queue import Empty, Queue
 
 from pipeline import console
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.messages import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 from pipeline.metrics import is_task_metric
 

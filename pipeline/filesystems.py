@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 
 # AWS error codes in pyarrow's messages, and what the user should do about each.
 S3_HINTS = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import pickle
 import re
 import tempfile
 import urllib.error
@@ -21,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from hydra.utils import get_method, instantiate
 
-from pipeline.config import PipelineError
+from pipeline import checkpoint
+from pipeline.errors import PipelineError
 
 STATE_FILES = ("state_dict.pt", "checkpoint.pt")  # a logged model's file, a pipeline checkpoint's
 TORCHVISION_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # IMAGENET1K_V1, DEFAULT
@@ -109,13 +109,10 @@ def state_file(path: str, weights: str) -> str:
 
 def load_state(path: str, weights: str) -> dict[str, torch.Tensor]:
     """A state dict from ``path``: a bare one, or a pipeline checkpoint's ``model`` entry."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError) as err:
-        raise PipelineError(f"finetune.weights: cannot load {path} as weights ({err}).") from err
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a pipeline checkpoint
+    state = checkpoint.load(path, "finetune.weights")
+    if checkpoint.is_checkpoint(state):
         state = state["model"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise PipelineError(f"finetune.weights: {path} ({weights}) holds no state dict (a mapping of name to tensor).")
     return state
 

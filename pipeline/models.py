@@ -23,9 +23,10 @@ from mlflow.entities import LoggedModelOutput
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
 
-from pipeline.config import PipelineError
+from pipeline import checkpoint
+from pipeline.checkpoint import feature_scaler
+from pipeline.errors import PipelineError, redact
 from pipeline.workarounds import global_tracking_uri, import_mlflow_pytorch
-from pipeline.worker import CHECKPOINT_FILE, feature_scaler
 
 mlflow_pytorch = import_mlflow_pytorch()
 
@@ -59,7 +60,7 @@ class Scaled(torch.nn.Module):
 def log_checkpoint(client: MlflowClient, run_id: str, cfg: dict, local: str, kept: Kept) -> None:
     """The checkpoint in the local directory ``local`` as the LoggedModel ``kept.model_id`` (made by
     :func:`start_model`): pt2 program, signature, input example, weights; READY once its files are in."""
-    state = torch.load(os.path.join(local, CHECKPOINT_FILE), map_location="cpu", weights_only=True)
+    state = checkpoint.load(local, "tracking.log_model")
     model = instantiate(cfg["model"], _convert_="all")
     model.load_state_dict(state["model"])
     scale = feature_scaler(cfg["ingest"]["normalize"], state["feature_statistics"], torch.device("cpu"))
@@ -164,8 +165,6 @@ def download_model(client: MlflowClient, uri: str, into: str) -> str:
         *_, files = model_source(client, uri)
         return mlflow.artifacts.download_artifacts(artifact_uri=files, dst_path=into, tracking_uri=client.tracking_uri)
     except (MlflowException, OSError, ValueError) as err:
-        from pipeline.tracking import redact  # tracking imports this module
-
         raise PipelineError(
             f"cannot read the MLflow model {uri} from the store {redact(client.tracking_uri)} ({err}). "
             "runs:/RUN_ID/model names a run's best model; models:/NAME@ALIAS or models:/NAME/VERSION a registered one "

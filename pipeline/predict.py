@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import tempfile
 import time
 
@@ -29,8 +28,11 @@ from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, evaluate, models, preprocess, source, tracking, workarounds, worker
-from pipeline.config import PipelineError, active_steps, validate
+from pipeline import cluster, console, evaluate, models, preprocess, source, tracking, workarounds
+from pipeline.checkpoint import autocast_settings, feature_scaler, is_checkpoint
+from pipeline.checkpoint import load as load_state
+from pipeline.config import active_steps, validate
+from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
 
@@ -63,8 +65,8 @@ class Predictor:
         model.load_state_dict(ray.get(weights[0]))  # [ObjectRef]: fetched here, from the object store
         self.model = model.to(self.device).eval()
         self.task = Task(task_cfg)
-        self.autocast, _ = worker.autocast_settings(self.device, train_cfg)
-        self.scale = worker.feature_scaler(normalize, statistics, self.device)  # as training scaled them
+        self.autocast, _ = autocast_settings(self.device, train_cfg)
+        self.scale = feature_scaler(normalize, statistics, self.device)  # as training scaled them
         self.feature, self.label = feature, label
         self.classes = np.asarray(classes) if classes is not None else None  # predictions written as these names
 
@@ -156,12 +158,9 @@ def load_weights(client, run, checkpoint: str | None, uri: str | None = None) ->
                     "(its pipeline.storage tag says where its checkpoints are)."
                 ) from err
         else:
-            path = os.path.join(checkpoint, worker.CHECKPOINT_FILE) if os.path.isdir(checkpoint) else checkpoint
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, pickle.UnpicklingError) as err:
-            raise PipelineError(f"predict: cannot load weights from {path} ({err}).") from err
-        if "model" in state and "optimizer" in state:  # a pipeline checkpoint
+            path = checkpoint
+        state = load_state(path, "predict.checkpoint" if checkpoint else "predict.run")
+        if is_checkpoint(state):
             return state["model"], state.get("feature_statistics")
         statistics = None
         if run is not None and any(a.path == STATISTICS_ARTIFACT for a in client.list_artifacts(run.info.run_id)):
@@ -233,7 +232,7 @@ def run(cfg: dict, job) -> dict:
     if predict["run"] or not predict["checkpoint"]:
         if store.experiment_id is None:
             raise PipelineError(
-                f"predict: there is no MLflow experiment {store.name!r} in {tracking.redact(store.uri)} "
+                f"predict: there is no MLflow experiment {store.name!r} in {redact(store.uri)} "
                 "to take a trained run from; train first, or give predict.checkpoint=PATH."
             )
         model_run = trained_run(client, store.experiment_id, predict["run"])
@@ -294,5 +293,5 @@ def run(cfg: dict, job) -> dict:
         measured_on = (tracking.dataset_name(split), split.digest)
         tracking.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
-    log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, tracking.redact(output))
+    log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, redact(output))
     return metrics

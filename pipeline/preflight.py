@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from pipeline import build, cluster, finetune, predict, source, tracking
-from pipeline.config import PipelineError, check_targets
+from pipeline.config import check_targets
+from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
 from pipeline.finetune import Initial
 
@@ -22,24 +23,25 @@ def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
     splits and the weights training starts from (``finetune.weights``, read before Ray starts), or a
     PipelineError before anything is recorded.
 
-    Ray's start mostly waits on the processes it launches, so a helper thread meanwhile imports and
-    checks the ``_target_`` callables and opens the MLflow store (a new SQLite store creates its
-    tables), work that would otherwise come one after the other."""
-    splits = build.sources(cfg)
-    if cfg["train"]["evaluate"]:  # the rows evaluation scores after training
-        predict.prediction_split(cfg, evaluating=True)
-    initial = finetune.start_weights(cfg)
-    storage = cfg["storage"]["path"]
-    if storage is not None:
-        make_dir(storage, cfg["storage"]["s3"], "storage.path")
-    wanted = cluster.runtime(cfg["ray"], cfg["scaling"])
+    A helper thread imports and checks the ``_target_`` callables while the data's files are read, and
+    opens the MLflow store (a new SQLite store creates its tables) while Ray starts, which mostly waits on
+    the processes it launches: work that would otherwise come one after the other."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight") as helper:
+        # the _target_ imports (the model's: torchvision, seconds) while the data's footers are read
         targets = helper.submit(check_targets, cfg)
+        splits = build.sources(cfg)
+        if cfg["train"]["evaluate"]:  # the rows evaluation scores after training
+            predict.prediction_split(cfg, evaluating=True)
+        initial = finetune.start_weights(cfg)
+        storage = cfg["storage"]["path"]
+        if storage is not None:
+            make_dir(storage, cfg["storage"]["s3"], "storage.path")
+        wanted = cluster.runtime(cfg["ray"], cfg["scaling"])
+        targets.result()  # a wrong argument of a part fails before Ray starts
         # then the store: later clients of the same store reuse it (MLflow caches a store per URI); it
         # holds no run until one is started
         store = helper.submit(tracking.connect, cfg["tracking"]["uri"], cfg["paths"]["outputs"])
         cluster.connect(wanted)
-        targets.result()
         store.result()
     if wanted.address is None:  # a cluster may autoscale; a local runtime never grows
         check_resources(ray.cluster_resources(), wanted, build.transform_cpus(splits))

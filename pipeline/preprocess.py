@@ -29,7 +29,7 @@ from hydra.utils import instantiate
 from ray.exceptions import RayError
 
 from pipeline import cache, source, workarounds
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from transforms.tabular import stack_features
 
 

@@ -18,7 +18,7 @@ from ray.exceptions import RayError
 
 from pipeline import console, events, filesystems, predict, preflight, preprocess, source, task, tracking, trainer
 from pipeline.build import Job
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError, redact
 from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def run(cfg: dict, job: Job) -> dict:
     with data:
         os.makedirs(job.run_dir, exist_ok=True)
         tracker = Tracker.open(cfg, job)
-        log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, tracking.redact(tracker.uri), job.run_dir)
+        log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
         with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
             tracker.log_data(splits, data.statistics)
             if initial is not None:

@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineError, check_target
+from pipeline.config import check_target
+from pipeline.errors import PipelineError
 from pipeline.filesystems import is_s3, locate, s3_error
 
 SPLITS = ("train", "valid")

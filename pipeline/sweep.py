@@ -20,7 +20,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import console, models, tracking
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
 
 log = logging.getLogger("pipeline")

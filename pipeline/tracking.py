@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -33,11 +32,11 @@ from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from pipeline import models
-from pipeline.config import PipelineError
+from pipeline.checkpoint import CHECKPOINT_FILE
 from pipeline.console import data_wait_note
+from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import RunStorage
 from pipeline.metrics import LOSSES, epoch_metrics, first_task_metric
-from pipeline.worker import CHECKPOINT_FILE
 
 log = logging.getLogger(__name__)
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -57,14 +56,6 @@ STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_e
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
-
-
-_URI_PASSWORD = re.compile(r"(://[^/@\s:]+):[^/@\s]+@")
-
-
-def redact(text: str) -> str:
-    """``https://user:token@host`` -> ``https://user:***@host``: secrets in URIs stay out of MLflow and logs."""
-    return _URI_PASSWORD.sub(r"\1:***@", text)
 
 
 def resolve_uri(uri: str | None, outputs: str) -> str:

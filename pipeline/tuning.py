@@ -32,7 +32,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from pipeline import build, console, filesystems, preflight, source, tracking, workarounds
 from pipeline.build import Job
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
 from pipeline.trainer import checkpoint_mode
 from pipeline.trial import GROUP_KEY, run_trial, trial_config, trial_dir

@@ -18,7 +18,7 @@ import ray
 import ray.train
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:  # not at run time: Ray Data's tasks import this module (through preprocess), and torch's
     from ray.train.torch import TorchTrainer  # import would delay each new task process by seconds

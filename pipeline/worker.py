@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from pipeline import finetune
+from pipeline import checkpoint, finetune
+from pipeline.checkpoint import autocast_settings, feature_scaler
 from pipeline.finetune import Initial
 from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.metrics import LOSSES, lower_is_better
 from pipeline.source import Layout
 from pipeline.task import Task
 
-CHECKPOINT_FILE = "checkpoint.pt"
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 
 
@@ -265,11 +265,11 @@ def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
 def report(metrics: dict, state: dict | None) -> None:
     """``ray.train.report`` (a barrier: every rank calls it once per epoch), with ``state`` (rank 0's) as checkpoint."""
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
+        saved = None
         if state is not None:
-            torch.save(state, os.path.join(tmp, CHECKPOINT_FILE))
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
+            checkpoint.save(state, tmp)
+            saved = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=saved)
 
 
 @dataclass
@@ -307,11 +307,11 @@ class EarlyStopping:
 
 def restored_state(device: torch.device) -> dict | None:
     """The latest checkpoint's state, when Ray Train restores one; loaded as weights only."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    restored = ray.train.get_checkpoint()
+    if restored is None:
         return None
-    with checkpoint.as_directory() as path:
-        return torch.load(os.path.join(path, CHECKPOINT_FILE), map_location=device, weights_only=True)
+    with restored.as_directory() as path:
+        return checkpoint.load(path, "the restored checkpoint", device)
 
 
 def train_batches(cfg: dict, epoch: int, epoch_counter, device: torch.device, world_size: int) -> Iterator[dict]:
@@ -328,7 +328,7 @@ def torch_batches(
     """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
     Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
     validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
-    store and to a GPU): the replica scales them (:func:`feature_scaler`)."""
+    store and to a GPU): the replica scales them (:func:`pipeline.checkpoint.feature_scaler`)."""
     ingest = cfg["ingest"]
     return shard.iter_torch_batches(
         batch_size=ingest["batch_size"] // world_size,
@@ -338,46 +338,6 @@ def torch_batches(
         drop_last=ingest["drop_last"] and training,
         device=device,
     )
-
-
-def feature_scaler(normalize: dict | None, statistics: dict | None, device: torch.device):
-    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` (``ingest.normalize``)
-    says, float features standardized with ``statistics`` (the training split's, with ``ingest.standardize``)
-    when given; anything else as it is."""
-    pixels = pixel_scaling(normalize, device) if normalize is not None else None
-    if statistics is not None:
-        mean = torch.tensor(statistics["mean"], dtype=torch.float32, device=device)
-        std = torch.tensor(statistics["std"], dtype=torch.float32, device=device)
-
-    def scale(features: torch.Tensor) -> torch.Tensor:
-        if features.dtype == torch.uint8 and pixels is not None:  # in place: one float copy, not three
-            return features.float().mul_(pixels[0]).add_(pixels[1])
-        if statistics is not None and features.is_floating_point():  # a missing value (source.on_missing: mean)
-            return torch.nan_to_num((features - mean) / std, nan=0.0)  # becomes the training mean
-        return features
-
-    return scale
-
-
-def pixel_scaling(normalize: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
-    mean = torch.tensor(normalize["mean"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    std = torch.tensor(normalize["std"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    return 1.0 / (255.0 * std), -mean / std
-
-
-def amp_plan(device_type: str, train: dict) -> tuple[bool, torch.dtype, bool]:
-    """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
-    float16 needs loss scaling, bfloat16 does not."""
-    enabled = train["amp"] and device_type == "cuda"
-    dtype = getattr(torch, train["amp_dtype"])
-    return enabled, dtype, enabled and dtype == torch.float16
-
-
-def autocast_settings(device: torch.device, train: dict) -> tuple[torch.autocast, torch.amp.GradScaler]:
-    """The autocast context and GradScaler that :func:`amp_plan` asks for."""
-    enabled, dtype, scale = amp_plan(device.type, train)
-    return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)
 
 
 def sum_over_workers(values: list[float], device: torch.device) -> list[float]:

@@ -39,7 +39,8 @@ import pytest
 from PIL import Image
 
 from pipeline.build import Job
-from pipeline.config import compose, register
+from pipeline.cli import compose
+from pipeline.config import register
 from pipeline.run import run
 
 register()

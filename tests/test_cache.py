@@ -12,7 +12,8 @@ from test_own_data import write_sorted_and_shuffled
 
 from pipeline import build, preprocess, source
 from pipeline.cluster import local_cpus
-from pipeline.config import PipelineError, active_steps
+from pipeline.config import active_steps
+from pipeline.errors import PipelineError
 from transforms import decode_image
 
 

@@ -12,13 +12,14 @@ from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
+from pipeline.checkpoint import amp_plan
 from pipeline.cluster import Runtime, runtime, runtime_env
-from pipeline.config import CONF_DIR, PipelineConfig, PipelineError, TransformSpec, active_steps, validate
+from pipeline.config import CONF_DIR, PipelineConfig, TransformSpec, active_steps, validate
+from pipeline.errors import PipelineError
 from pipeline.predict import actor_options
 from pipeline.preflight import check_resources
 from pipeline.preprocess import placement, read_placement
 from pipeline.trainer import steps_per_epoch, trainer_settings
-from pipeline.worker import amp_plan
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -96,7 +97,7 @@ def test_group_files_hold_only_what_their_choice_changes(group):
 
 
 def test_an_invalid_on_error_is_named_before_anything_runs():
-    with pytest.raises(PipelineError, match=r"transforms.valid.decode.fn.on_error must be one of 'raise', 'skip'"):
+    with pytest.raises(PipelineError, match="decode.fn.on_error: expected one of 'raise', 'skip', got 'ignore'"):
         validate(compose_cfg(["transforms.valid.decode.fn.on_error=ignore"]))
 
 

@@ -21,7 +21,8 @@ from mlflow import MlflowClient
 from test_pipeline import cli_env
 
 from pipeline.build import Job
-from pipeline.config import PipelineError, compose
+from pipeline.cli import compose
+from pipeline.errors import PipelineError
 from pipeline.metrics import epoch_metrics
 from pipeline.run import run
 

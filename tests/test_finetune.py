@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from pipeline import finetune, models, predict, preflight
 from pipeline.build import Job
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.run import run
 from pipeline.workarounds import global_tracking_uri
 

@@ -20,7 +20,8 @@ from test_pipeline import no_runs_logged, run_cli
 
 from pipeline import predict, source, tracking
 from pipeline.build import Job
-from pipeline.config import PipelineError, validate
+from pipeline.config import validate
+from pipeline.errors import PipelineError
 from pipeline.evaluate import per_class, report
 from pipeline.run import run
 from pipeline.task import Task, constant_baseline, no_learning

@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from pipeline.build import Job
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.run import run
 
 LEARNS = ["train.epochs=4", "ingest.batch_size=32"]  # 512 training rows: 16 steps an epoch
@@ -303,16 +303,19 @@ def no_runs_logged(tmp_path: Path) -> bool:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["+experiment=nope"], "Could not find 'experiment/nope'"),
-        (["+experiment=smoke", "train.epochs=abc"], "train.epochs"),
-        (["+experiment=smoke", "train.epoch=2"], "train.epoch"),
+        (["+experiment=nope"], "experiment has no option 'nope'"),
+        (["+experiment=smoke", "train.epochs=abc"], "train.epochs: expected an integer, got 'abc'"),
+        (["+experiment=smoke", "train.epoch=2"], "train has no key 'epoch'. Did you mean epochs?"),
+        (["+experiment=smoke", "scheduler=null"], "Write ~scheduler"),
+        (["+experiment=smoke", "optim.lr=fast"], "optim.lr: expected a float or a Tensor, got 'fast'"),
     ],
 )
-def test_bad_config_fails_before_anything_runs(tmp_path, data_root, args, message):
+def test_a_command_line_mistake_is_one_paragraph_before_ray_starts(tmp_path, data_root, args, message):
     result = run_cli(args, tmp_path, data_root)
-    assert result.returncode != 0
-    assert message in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert message in output
+    assert len(output.strip().splitlines()) == 1, output  # nothing but the paragraph: no traceback, no Ray
     assert no_runs_logged(tmp_path)
 
 
@@ -326,12 +329,12 @@ def test_bad_config_fails_before_anything_runs(tmp_path, data_root, args, messag
         ),
     ],
 )
-def test_checks_that_run_while_ray_starts_fail_before_anything_is_recorded(
+def test_checks_of_parts_and_the_store_fail_before_anything_is_recorded(
     tmp_path, data_root, ray_runtime, monkeypatch, overrides, message
 ):
-    """The _target_ imports and the MLflow store are checked while Ray starts (here, on the running shared
-    runtime): a PipelineError, which the command prints as one paragraph with exit status 1 (the cases above
-    and below show that), and no run anywhere."""
+    """The _target_ imports are checked before Ray starts, the MLflow store while it starts (here, on the
+    running shared runtime): a PipelineError, which the command prints as one paragraph with exit status 1
+    (the cases above and below show that), and no run anywhere."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     port = free_port()  # nothing listens there
     with pytest.raises(PipelineError) as error:
@@ -344,7 +347,7 @@ def test_checks_that_run_while_ray_starts_fail_before_anything_is_recorded(
     ("overrides", "message"),
     [
         (["ray.address=127.0.0.1:{port}"], "ray.address: cannot reach a Ray cluster at '127.0.0.1:{port}'"),
-        (["transforms.valid.decode.fn.on_error=ignore"], "on_error must be one of 'raise', 'skip', got 'ignore'"),
+        (["transforms.valid.decode.fn.on_error=ignore"], "on_error: expected one of 'raise', 'skip', got 'ignore'"),
     ],
 )
 def test_unreachable_services_and_bad_arguments_fail_in_one_paragraph(tmp_path, data_root, overrides, message):

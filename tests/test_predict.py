@@ -13,8 +13,9 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import preflight, source, tracking, worker
-from pipeline.config import PipelineError
+from pipeline import preflight, source, tracking
+from pipeline.checkpoint import CHECKPOINT_FILE
+from pipeline.errors import PipelineError
 from pipeline.predict import Predictor, check_output, load_weights, prediction_split, trained_run
 
 
@@ -50,22 +51,22 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     client, experiment = store
     weights = {"w": torch.arange(4.0)}
     (tmp_path / "ckpt").mkdir()
-    torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / worker.CHECKPOINT_FILE)
+    torch.save({"model": weights, "optimizer": {}, "epoch": 3}, tmp_path / "ckpt" / CHECKPOINT_FILE)
     torch.save(weights, tmp_path / "bare.pt")
-    for weights_file in (tmp_path / "ckpt", tmp_path / "ckpt" / worker.CHECKPOINT_FILE, tmp_path / "bare.pt"):
+    for weights_file in (tmp_path / "ckpt", tmp_path / "ckpt" / CHECKPOINT_FILE, tmp_path / "bare.pt"):
         loaded, statistics = load_weights(client, None, str(weights_file))
         assert torch.equal(loaded["w"], weights["w"]) and statistics is None
     standardized = {"mean": [1.0, 2.0], "std": [3.0, 4.0]}  # a checkpoint of a run with ingest.standardize
     torch.save({"model": weights, "optimizer": {}, "feature_statistics": standardized}, tmp_path / "std.pt")
     assert load_weights(client, None, str(tmp_path / "std.pt"))[1] == standardized
     torch.save({"model": weights, "code": np.dtype("O")}, tmp_path / "pickled.pt")  # not plain weights
-    with pytest.raises(PipelineError, match="cannot load weights from .*pickled.pt"):
+    with pytest.raises(PipelineError, match="cannot load .*pickled.pt as weights"):
         load_weights(client, None, str(tmp_path / "pickled.pt"))
 
     run_id = client.create_run(experiment, run_name="r").info.run_id
     with pytest.raises(PipelineError, match="has no model/state_dict.pt .* predict.checkpoint=PATH"):
         load_weights(client, client.get_run(run_id), None)
-    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / worker.CHECKPOINT_FILE))
+    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / CHECKPOINT_FILE))
     loaded, statistics = load_weights(client, client.get_run(run_id), None)
     assert torch.equal(loaded["w"], weights["w"]) and statistics is None
     client.log_dict(run_id, standardized, tracking.STATISTICS_ARTIFACT)  # as a standardized run logs them

@@ -22,7 +22,7 @@ from conftest import AWS_SECRET, DETERMINISTIC, compose_cfg, free_port, wait_for
 from test_fault_tolerance import assert_all_gone, assert_each_epoch_once, interrupt_after_first_epoch, the_run
 from test_pipeline import run_cli
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
 from pipeline.source import prepare
 

@@ -6,7 +6,7 @@ import pyarrow.fs as pafs
 import pytest
 from conftest import compose_cfg, write_split
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from pipeline.source import check_split, parquet_files, prepare
 
 LOCAL = pafs.LocalFileSystem()

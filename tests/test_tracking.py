@@ -40,7 +40,7 @@ def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
     """A driver that died (SIGKILL, a lost machine) leaves its run RUNNING; Ctrl-C leaves it KILLED."""
     import pytest
 
-    from pipeline.config import PipelineError
+    from pipeline.errors import PipelineError
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())

@@ -10,7 +10,7 @@ import torch
 from conftest import compose_cfg, jpeg, write_split
 from PIL import Image
 
-from pipeline.config import PipelineError
+from pipeline.errors import PipelineError
 from transforms import decode_image, random_crop, random_flip, random_resized_crop
 from transforms.tabular import stack_features
 
@@ -342,7 +342,8 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.worker import feature_scaler, torch_batches
+    from pipeline.checkpoint import feature_scaler
+    from pipeline.worker import torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
@@ -364,8 +365,9 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     them on the device; ingest.normalize (for uint8 pixels) leaves float features alone."""
     import ray.data
 
+    from pipeline.checkpoint import feature_scaler
     from pipeline.preprocess import feature_statistics
-    from pipeline.worker import feature_scaler, torch_batches
+    from pipeline.worker import torch_batches
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f, "label": i} for i, f in enumerate(features)])
@@ -408,8 +410,8 @@ def test_statistics_skip_missing_values_and_a_feature_without_any_fails_naming_i
     (0 once standardized) where a value is missing."""
     import ray.data
 
+    from pipeline.checkpoint import feature_scaler
     from pipeline.preprocess import feature_statistics
-    from pipeline.worker import feature_scaler
 
     features = np.array([[1.0, np.nan], [3.0, np.nan], [np.nan, np.nan]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f} for f in features])

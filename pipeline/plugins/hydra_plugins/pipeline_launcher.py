@@ -57,7 +57,7 @@ class TuneSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> None:
         from pipeline import tuning  # Ray Tune's imports, only when this sweeper runs
-        from pipeline.config import PipelineError
+        from pipeline.errors import PipelineError
 
         try:
             tuning.sweep(self.config, self.loader, arguments, self.settings)

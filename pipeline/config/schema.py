@@ -1,18 +1,11 @@
-"""Config schema and checks: the typed shape of ``conf/`` and every check that runs before Ray starts.
-
-The dataclasses are registered as Hydra's ``schema`` config, so a wrong type or an unknown key fails
-at composition. They are the one place every default is set, with its comment; ``conf/`` holds only
-what a choice (a source, a model, GPU scaling, an experiment) changes. Pluggable parts (``_target_``
-nodes) are free-form there; :func:`validate` imports each target and binds its keyword arguments, so
-a misspelt argument fails here too, not on a worker.
+"""The config's schema: the typed shape of ``conf/``, registered as Hydra's ``schema`` config, so a wrong
+type or an unknown key fails at composition. The one place every default is set, with its comment;
+``conf/`` holds only what a choice (a source, a model, GPU scaling, an experiment) changes. Pluggable
+parts (``_target_`` nodes) are free-form here; :mod:`pipeline.config.targets` checks them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import inspect
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -20,13 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from pipeline.metrics import TASK_CHOICES, epoch_metrics, task_metric
-
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-class PipelineError(Exception):
-    """A problem with the user's config or data, reported as one paragraph without a traceback."""
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @dataclass
@@ -261,11 +248,6 @@ class PipelineConfig:
     optimized_metric: str = "val_${task.metrics[0]}"  # what the entry point returns to a sweeper (Optuna)
 
 
-def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
-    """The transform steps of one split, without those set to null (dropped by an overlay)."""
-    return {name: spec for name, spec in steps.items() if spec is not None}
-
-
 def register() -> None:
     """Make the schema available to ``conf/config.yaml`` as its first default, and the pipeline's sweeper
     and launcher (pipeline/plugins/hydra_plugins/pipeline_launcher.py) as ``hydra/{sweeper,launcher}=pipeline``."""
@@ -285,254 +267,3 @@ def register() -> None:
         "params": None,
     }
     store.store(group="hydra/sweeper", name="tune", node=tune)
-
-
-def compose(overrides: list[str] = ()) -> dict:
-    """The resolved config as the entry point sees it (a plain dict), outside ``@hydra.main``:
-    for tests and benchmarks, which build a job's parts themselves."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    register()
-    from pipeline.source import with_classes
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    with_classes(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def _import(target: str, key: str) -> Any:
-    module_name, _, attr = target.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise PipelineError(f"{key}._target_: cannot import {target!r} ({err}).") from err
-
-
-def check_target(
-    node: Any, key: str, runtime_args: tuple[str, ...] = (), class_runtime_args: tuple[str, ...] | None = None
-) -> None:
-    """Import ``node._target_`` and check its keyword arguments bind to the callable's signature.
-
-    ``runtime_args`` are the arguments the pipeline itself passes (``params`` for an optimizer);
-    ``class_runtime_args`` replace them when the target is a class (a transform class is built
-    from its params alone; its instances take the batch).
-    """
-    if not isinstance(node, dict) or "_target_" not in node:
-        raise PipelineError(f"{key}: expected a mapping with a _target_ key, got {node!r}.")
-    target = _import(node["_target_"], key)
-    if class_runtime_args is not None and inspect.isclass(target):
-        runtime_args = class_runtime_args
-    kwargs = {k: v for k, v in node.items() if not (k.startswith("_") and k.endswith("_"))}
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: nothing to check
-    try:
-        signature.bind_partial(**{name: None for name in runtime_args}, **kwargs)
-    except TypeError as err:
-        params = ", ".join(p for p in signature.parameters if p not in runtime_args)
-        raise PipelineError(
-            f"{key}: {node['_target_']} does not accept these arguments ({err}). It takes: {params}."
-        ) from err
-    for name, value in kwargs.items():  # a parameter typed Literal[...] takes only those values
-        allowed = _literal_values(target, name)
-        if allowed and value not in allowed:
-            choices = ", ".join(map(repr, allowed))
-            raise PipelineError(f"{key}.{name} must be one of {choices}, got {value!r} ({node['_target_']}).")
-
-
-def _literal_values(target: Any, name: str) -> tuple:
-    """The values a ``Literal[...]`` annotation of ``target``'s parameter ``name`` allows, else ()."""
-    try:
-        hint = typing.get_type_hints(target).get(name)
-    except Exception:  # annotations that do not resolve: nothing to check
-        return ()
-    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise PipelineError(message)
-
-
-def _unwrap_optional(hint: Any) -> Any:
-    """``Optional[X]`` -> ``X``; anything else unchanged."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
-
-
-def check_keys(node: dict, schema: type, path: str = "") -> None:
-    """Reject keys the schema does not declare, including ones added with Hydra's ``+key=value``
-    (which bypasses the schema at composition)."""
-    hints = typing.get_type_hints(schema)
-    for key, value in node.items():
-        if key not in hints:
-            allowed = ", ".join(f.name for f in dataclasses.fields(schema))
-            raise PipelineError(f"{path}{key}: unknown key. {path.rstrip('.') or 'The config'} takes: {allowed}.")
-        hint = _unwrap_optional(hints[key])
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            check_keys(value, hint, f"{path}{key}.")
-        elif typing.get_origin(hint) is dict:
-            item_type = _unwrap_optional(typing.get_args(hint)[1])
-            if dataclasses.is_dataclass(item_type):
-                for name, item in value.items():
-                    if item is not None:
-                        check_keys(item, item_type, f"{path}{key}.{name}.")
-
-
-def validate(cfg: dict) -> None:
-    """Check a resolved config (a plain dict) for what the schema cannot express: its values, then
-    its pluggable parts."""
-    check_values(cfg)
-    check_targets(cfg)
-
-
-def check_targets(cfg: dict) -> None:
-    """Import the model's, loss's, optimizer's and scheduler's ``_target_`` and check their arguments bind
-    (transforms are checked with the values, ``source.download`` where it runs). The imports are
-    what costs here (the model's: torchvision), so a run does this while Ray starts."""
-    check_target(cfg["model"], "model")
-    check_target(cfg["task"]["loss"], "task.loss")
-    check_target(cfg["optim"], "optim", runtime_args=("params",))
-    if cfg["scheduler"] is not None:
-        check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
-
-
-def check_task(task: dict, source: dict) -> None:
-    """The task type and its metrics, the label's class count, and the feature column's form."""
-    _require(
-        task["type"] in TASK_CHOICES,
-        f"task.type must be one of {', '.join(TASK_CHOICES)}, got {task['type']!r}.",
-    )
-    for name in task["metrics"]:
-        _require(
-            task_metric(task["type"], name) is not None,
-            f"task.metrics: {name!r} is not a {task['type']} metric; choose from {TASK_CHOICES[task['type']]}.",
-        )
-    _require(len(task["metrics"]) >= 1, "task.metrics needs at least one metric.")
-    classes = source["num_classes"]
-    _require(classes is None or classes >= 2, f"source.num_classes must be >= 2 or null, got {classes}.")
-    features = source["feature_column"]
-    _require(
-        isinstance(features, str)
-        or (isinstance(features, list) and features and all(isinstance(f, str) for f in features)),
-        f"source.feature_column must be a column name or a non-empty list of column names, got {features!r}.",
-    )
-    on_missing = source["on_missing"]
-    _require(
-        on_missing in ("raise", "drop", "mean"),
-        f"source.on_missing must be raise, drop or mean, got {on_missing!r}.",
-    )
-
-
-def check_values(cfg: dict) -> None:
-    """Unknown keys, values out of range and the transforms' ``_target_`` (cheap to import, and a
-    bad argument there, such as ``on_error``, should fail before Ray starts): everything but the
-    model's, optimizer's and scheduler's imports."""
-    check_keys(cfg, PipelineConfig)
-    for split in ("train", "valid"):
-        for name, spec in active_steps(cfg["transforms"][split]).items():
-            key = f"transforms.{split}.{name}.fn"
-            check_target(spec["fn"], key, runtime_args=("batch",), class_runtime_args=())
-            _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
-            _require(
-                spec["batch_size"] is None or spec["batch_size"] > 0,
-                f"transforms.{split}.{name}.batch_size must be > 0 or null.",
-            )
-            _require(
-                spec["concurrency"] is None or spec["concurrency"] >= 1,
-                f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
-            )
-    check_task(cfg["task"], cfg["source"])
-    metrics = list(epoch_metrics(cfg["task"]["type"], cfg["task"]["metrics"]))
-    _require(
-        cfg["optimized_metric"] in metrics,
-        f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",
-    )
-    scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
-    _require(
-        cfg["source"]["on_missing"] != "mean" or ingest["standardize"],
-        "source.on_missing=mean fills in the training mean that ingest.standardize computes: set "
-        "ingest.standardize=true, or use source.on_missing=drop.",
-    )
-    _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
-    _require(
-        train["checkpoint_metric"] in (None, *metrics),
-        f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train['checkpoint_metric']!r}.",
-    )
-    _require(
-        train["checkpoint_mode"] in (None, "max", "min"),
-        f"train.checkpoint_mode must be max, min or null, got {train['checkpoint_mode']!r}.",
-    )
-    _require(train["accumulate"] >= 1, f"train.accumulate must be >= 1, got {train['accumulate']}.")
-    tracking = cfg["tracking"]
-    _require(
-        tracking["register_as"] is None or tracking["log_model"],
-        "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
-    )
-    _require(
-        not train["evaluate"] or tracking["log_model"],
-        "train.evaluate evaluates the run's logged model: set tracking.log_model=true too.",
-    )
-    scale = cfg["finetune"]["backbone_lr_scale"]
-    _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
-    _require(
-        train["grad_clip"] is None or train["grad_clip"] > 0,
-        f"train.grad_clip must be > 0 or null, got {train['grad_clip']}.",
-    )
-    _require(
-        train["on_nonfinite"] in ("raise", "skip"),
-        f"train.on_nonfinite must be raise or skip, got {train['on_nonfinite']!r}.",
-    )
-    stop = train["early_stop"]
-    _require(
-        stop["patience"] is None or stop["patience"] >= 1,
-        f"train.early_stop.patience must be >= 1 or null, got {stop['patience']}.",
-    )
-    _require(
-        stop["metric"] in (None, *metrics),
-        f"train.early_stop.metric must be null or one of {', '.join(metrics)}, got {stop['metric']!r}.",
-    )
-    _require(stop["min_delta"] >= 0, f"train.early_stop.min_delta must be >= 0, got {stop['min_delta']}.")
-    _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
-    _require(
-        not train["resume"] or cfg["tracking"]["run_name"],
-        "train.resume=true needs tracking.run_name: the name of the run to continue.",
-    )
-    _require(
-        train["amp_dtype"] in ("bfloat16", "float16"),
-        f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.",
-    )
-    _require(
-        ingest["cache"] in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest['cache']!r}."
-    )
-    _require(0 < ingest["cache_share"] <= 1, f"ingest.cache_share must be in (0, 1], got {ingest['cache_share']}.")
-    _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
-    _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
-    normalize = ingest["normalize"]
-    _require(
-        normalize is None or (len(normalize["mean"]) == len(normalize["std"]) and min(normalize["std"]) > 0),
-        f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
-    )
-    _require(
-        ingest["batch_size"] % scaling["num_workers"] == 0,
-        f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "
-        f"among scaling.num_workers ({scaling['num_workers']}).",
-    )
-    for key, s3 in (("source.s3", cfg["source"]["s3"]), ("storage.s3", cfg["storage"]["s3"])):
-        _require(s3["max_attempts"] >= 1, f"{key}.max_attempts must be >= 1, got {s3['max_attempts']}.")
-        _require(s3["connect_timeout_s"] > 0 and s3["request_timeout_s"] > 0, f"{key}: timeouts must be > 0.")
-    limit = cfg["source"]["limit"]
-    _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
-    _require(
-        cfg["stage"] in ("train", "predict", "evaluate"),
-        f"stage must be train, predict or evaluate, got {cfg['stage']!r}.",
-    )
-    predict = cfg["predict"]
-    _require(
-        predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
-        "predict.batch_size and predict.concurrency must be >= 1.",
-    )

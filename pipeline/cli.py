@@ -1,0 +1,107 @@
+"""From the command line to a composed config, on the driver before anything starts.
+
+:func:`check_overrides` reads the overrides as Hydra's own parser does and fails on the mistakes Hydra
+would report as a traceback or a bare "not in struct": a group set to null (``scheduler=null``: write
+``~scheduler``), an unknown group option, an unknown key and a value of the wrong type for a key of the
+schema, each as one paragraph naming the key and the closest valid names. What it does not understand
+(sweep functions, ``hydra.*`` settings, ``+key=value`` additions) it leaves to Hydra and to
+:func:`pipeline.config.validate`. :func:`compose` is the entry point's composition, for tests and
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import OverrideParseException
+
+from pipeline.config import CONF_DIR, PipelineConfig, accepts, describe, register, unwrap_optional
+from pipeline.errors import PipelineError
+
+
+def compose(overrides: list[str] = ()) -> dict:
+    """The resolved config as the entry point sees it (a plain dict), outside ``@hydra.main``:
+    for tests and benchmarks, which build a job's parts themselves."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipeline.source import with_classes
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    with_classes(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def check_overrides(args: list[str]) -> None:
+    """Fail, as one paragraph, on an override of a config group or schema key that cannot be right."""
+    texts = [a for a in args if "=" in a and not a.startswith("-")]
+    if any(t.startswith("hydra.searchpath") for t in texts):
+        return  # groups may come from elsewhere
+    try:
+        overrides = OverridesParser.create().parse_overrides(texts)
+    except OverrideParseException:
+        return  # Hydra reports its own syntax errors, pointing at the character
+    for override in overrides:
+        if override.is_delete() or override.package is not None or override.key_or_group.startswith("hydra"):
+            continue
+        if (Path(CONF_DIR) / override.key_or_group).is_dir():
+            check_group(override)
+        elif not override.is_add():
+            check_key(override)
+
+
+def values(override: Override) -> list:
+    """The value an override sets; none for a sweep, whose jobs each fail on their own, recorded as a FAILED
+    child run of the sweep (pipeline/plugins), while the others run."""
+    return [] if override.is_sweep_override() else [override.value()]
+
+
+def check_group(override: Override) -> None:
+    """``GROUP=OPTION``: OPTION is a file of ``conf/GROUP``; null is not (a group is dropped with ``~GROUP``)."""
+    group, directory = override.key_or_group, Path(CONF_DIR) / override.key_or_group
+    options = sorted(p.stem for p in directory.glob("*.yaml"))
+    for value in values(override):
+        if value is None:
+            raise PipelineError(
+                f"{override.input_line}: a config group is dropped with ~{group} (Hydra's delete), not set to "
+                f"null. Write ~{group}, or choose one of its options: {', '.join(options)}."
+            )
+        if isinstance(value, str) and value not in options:
+            raise PipelineError(f"{override.input_line}: {group} has no option {value!r}.{closest(value, options)}")
+
+
+def check_key(override: Override) -> None:
+    """``a.b.c=value`` for a key the schema declares: every part of the path exists, and the value has its type."""
+    node: typing.Any = PipelineConfig
+    parts = override.key_or_group.split(".")
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(node)
+        if part not in hints:
+            where = ".".join(parts[:depth]) or "the config"
+            raise PipelineError(f"{override.input_line}: {where} has no key {part!r}.{closest(part, list(hints))}")
+        node = unwrap_optional(hints[part])
+        if not dataclasses.is_dataclass(node):
+            break
+    else:
+        return  # a whole section set at once: Hydra checks it
+    if depth != len(parts) - 1 or node is typing.Any or typing.get_origin(node) is dict:
+        return  # inside a free-form part (model, optim, a mapping): checked once composed
+    for value in values(override):
+        if not accepts(value, hints[part]):
+            raise PipelineError(f"{override.key_or_group}: expected {describe(hints[part])}, got {value!r}.")
+
+
+def closest(name: str, names: list[str]) -> str:
+    """`` Did you mean X?`` for the nearest of ``names``, else the whole list."""
+    near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    if near:
+        return f" Did you mean {' or '.join(near)}?"
+    return f" Valid: {', '.join(names)}."
