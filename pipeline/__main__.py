@@ -27,11 +27,11 @@ register()
 
 def describe_job(hydra_cfg: DictConfig):
     """Where this job sits (a :class:`pipeline.build.Job`), from Hydra's runtime config."""
-    from pipeline import tracking
+    from pipeline import runs
     from pipeline.build import Job
 
     overrides = list(hydra_cfg.overrides.task)
-    experiment = tracking.experiment_choice(hydra_cfg.runtime.choices)
+    experiment = runs.experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)

@@ -47,13 +47,13 @@ class Initial:
 def start_weights(cfg: dict) -> Initial | None:
     """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
     MLflow model is downloaded from the job's store first."""
-    from pipeline import models, tracking  # the driver's: workers, which import this module, never import MLflow
+    from pipeline import models, runs  # the driver's: workers, which import this module, never import MLflow
 
     weights = cfg["finetune"]["weights"]
     with tempfile.TemporaryDirectory() as tmp:
         files = None
         if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
-            client, _ = tracking.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+            client, _ = runs.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
             try:
                 files = models.model_weights(client, weights, tmp)
             except PipelineError as err:

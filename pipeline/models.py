@@ -10,12 +10,15 @@ as a state dict: what fine-tuning and prediction read (``weights_only=True``).
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 
 import mlflow
+import pyarrow.fs as pafs
+import ray.train
 import torch
 from hydra.utils import instantiate
 from mlflow import MlflowClient
@@ -28,6 +31,7 @@ from pipeline.checkpoint import feature_scaler
 from pipeline.errors import PipelineError, redact
 from pipeline.workarounds import global_tracking_uri, import_mlflow_pytorch
 
+log = logging.getLogger(__name__)
 mlflow_pytorch = import_mlflow_pytorch()
 
 MODEL_URI_SCHEMES = ("runs:/", "models:/")  # runs:/RUN_ID/PATH, models:/NAME@ALIAS, models:/NAME/VERSION, models:/ID
@@ -179,3 +183,95 @@ def model_weights(client: MlflowClient, uri: str, into: str) -> str:
     if not found:
         raise PipelineError(f"the MLflow model {uri} holds no {WEIGHTS_FILE}: this pipeline did not log it.")
     return found[0]
+
+
+def log_model(client: MlflowClient, run_id: str, checkpoint_dir: str) -> None:
+    """A checkpoint's weights as the run's ``model/state_dict.pt``, loadable with ``torch.load(weights_only=True)``."""
+    state = checkpoint.load(checkpoint_dir, "tracking.log_model")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, WEIGHTS_FILE)
+        torch.save(state["model"], path)
+        client.log_artifact(run_id, path, "model")
+
+
+class CheckpointModels:
+    """A run's checkpoints as LoggedModels, the policy in one place: one is made as each checkpoint's epoch
+    is logged (the epoch's metrics link to it); once training ends they get their files, those of checkpoints
+    Ray Train no longer keeps are deleted, and the best becomes the run's model and, with ``register_as``, a
+    registered version."""
+
+    def __init__(self, client: MlflowClient, experiment_id: str, run_id: str, cfg: dict):
+        self.client, self.experiment_id, self.run_id, self.cfg = client, experiment_id, run_id, cfg
+        self.kept, self.pending = kept_models(client, experiment_id, run_id)  # a resumed run's earlier ones too
+
+    def start(self, epoch: int, checkpoint: str) -> str:
+        """A LoggedModel for the checkpoint (a path in the run's storage) of ``epoch``; its id."""
+        kept = start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
+        self.pending.append(kept)
+        return kept.model_id
+
+    def finish(
+        self,
+        keep: set[str] | None,
+        filesystem,
+        metric: str | None,
+        mode: str,
+        register_as: str | None,
+        alias: str | None,
+    ) -> Kept | None:
+        """Once training has ended: the files saved (:meth:`save`), the best chosen (:meth:`best`) and logged as the
+        run's model, registered as ``register_as`` with ``alias`` moved to it; the best, None when none was kept."""
+        self.save(keep, filesystem)
+        best = self.best(metric, mode)
+        if best is not None:
+            self.log_best(best, filesystem, register_as, alias)
+        return best
+
+    def save(self, keep: set[str] | None, filesystem) -> None:
+        """The pending LoggedModels get their files, once training has ended (``torch.export`` takes the GIL for
+        seconds, which would slow training and the driver's answer to Ctrl-C). Those of checkpoints Ray Train no
+        longer keeps (not in ``keep``, when given: ``train.num_to_keep``) are deleted, as are those whose
+        checkpoint is gone. A model that cannot be saved fails the run, naming the error."""
+        for kept in [k for k in self.kept if keep is not None and k.checkpoint not in keep]:
+            self.client.delete_logged_model(kept.model_id)
+            self.kept.remove(kept)
+        pending, self.pending = self.pending, []
+        for kept in pending:
+            dropped = keep is not None and kept.checkpoint not in keep
+            if dropped or filesystem.get_file_info(kept.checkpoint).type == pafs.FileType.NotFound:
+                self.client.delete_logged_model(kept.model_id)
+                continue
+            try:
+                with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
+                    log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
+            except Exception as err:  # torch.export cannot trace every model
+                raise PipelineError(
+                    f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
+                    f"({type(err).__name__}: {err}). Set tracking.log_model=false to train without logged models."
+                ) from err
+            self.kept.append(kept)
+
+    def best(self, metric: str | None, mode: str) -> Kept | None:
+        """The kept checkpoint best by ``metric`` (``mode``: max or min; the earliest of equals), or the
+        latest without one; None when none was logged."""
+        if metric is None or not self.kept:
+            return self.kept[-1] if self.kept else None
+        value = {m.step: m.value for m in self.client.get_metric_history(self.run_id, metric)}
+        return (max if mode == "max" else min)(self.kept, key=lambda kept: value[kept.epoch])
+
+    def log_best(self, kept: Kept, filesystem, register_as: str | None, alias: str | None) -> None:
+        """The kept checkpoint's weights as the run's ``model/state_dict.pt``; with ``register_as``, its
+        LoggedModel a new registered version, ``alias`` moved to it (a sweep moves its alias to its best
+        job's version when it ends: sweep.py)."""
+        with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
+            log_model(self.client, self.run_id, local)
+        self.client.set_tag(self.run_id, BEST_MODEL_TAG, kept.model_id)
+        if register_as is not None:
+            version = register_model(self.client, self.run_id, register_as, alias, kept.model_id)
+            log.info(
+                "registered checkpoint-%d as %s version %s%s",
+                kept.epoch,
+                register_as,
+                version,
+                f" (models:/{register_as}@{alias})" if alias else "",
+            )

@@ -28,7 +28,7 @@ from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, evaluate, models, preprocess, source, tracking, workarounds
+from pipeline import cluster, console, evaluate, models, preprocess, runs, source, tracking, workarounds
 from pipeline.checkpoint import autocast_settings, feature_scaler, is_checkpoint
 from pipeline.checkpoint import load as load_state
 from pipeline.config import active_steps, validate
@@ -107,7 +107,7 @@ def trained_run(client, experiment: str, name_or_id: str | None):
         try:
             return client.get_run(name_or_id)
         except MlflowException:
-            found = tracking.runs_where(
+            found = runs.runs_where(
                 client, experiment, "run_name", name_or_id, order_by=["attributes.start_time DESC"], max_results=1
             )
             if not found:
@@ -122,7 +122,7 @@ def trained_run(client, experiment: str, name_or_id: str | None):
         max_results=100,
     )
     for run in finished:
-        if tracking.STORAGE_TAG in run.data.tags:  # only training runs record their checkpoint storage
+        if runs.STORAGE_TAG in run.data.tags:  # only training runs record their checkpoint storage
             return run
     raise PipelineError(
         "predict: this experiment has no finished training run; train one first, or name one with "
@@ -227,7 +227,7 @@ def run(cfg: dict, job) -> dict:
     console.quiet_libraries()
     predict, src = cfg["predict"], cfg["source"]
     validate(cfg)
-    store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment, create=False)
+    store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment, create=False)
     client, model_run = store.client, None
     if predict["run"] or not predict["checkpoint"]:
         if store.experiment_id is None:
@@ -249,7 +249,7 @@ def run(cfg: dict, job) -> dict:
     )
 
     if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
-        store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
+        store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
     name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
     parent = model_run.info.run_id if model_run else None
     tags = {STAGE_TAG: cfg["stage"], PREDICTIONS_TAG: output}
@@ -258,7 +258,7 @@ def run(cfg: dict, job) -> dict:
     model_id = scored_model(client, model_run, predict) if model_run else None
     if model_id is not None:  # the run, and its metrics, linked to the LoggedModel it scored
         client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
-    with tracking.recorded(client, run_id):
+    with runs.recorded(client, run_id):
         columns = [split.layout.model_input] + ([label] if label else []) + ["path"]
         rows = preprocess.dataset(split, split.steps, columns, src)
         predictor = {

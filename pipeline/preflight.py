@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from pipeline import build, cluster, finetune, predict, source, tracking
+from pipeline import build, cluster, finetune, predict, runs, source
 from pipeline.config import check_targets
 from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
@@ -40,7 +40,7 @@ def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
         targets.result()  # a wrong argument of a part fails before Ray starts
         # then the store: later clients of the same store reuse it (MLflow caches a store per URI); it
         # holds no run until one is started
-        store = helper.submit(tracking.connect, cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        store = helper.submit(runs.connect, cfg["tracking"]["uri"], cfg["paths"]["outputs"])
         cluster.connect(wanted)
         store.result()
     if wanted.address is None:  # a cluster may autoscale; a local runtime never grows

@@ -16,7 +16,19 @@ from contextlib import contextmanager
 
 from ray.exceptions import RayError
 
-from pipeline import console, events, filesystems, predict, preflight, preprocess, source, task, tracking, trainer
+from pipeline import (
+    console,
+    events,
+    filesystems,
+    predict,
+    preflight,
+    preprocess,
+    runs,
+    source,
+    task,
+    trainer,
+    workarounds,
+)
 from pipeline.build import Job
 from pipeline.errors import PipelineError, redact
 from pipeline.tracking import Tracker
@@ -58,12 +70,15 @@ def run(cfg: dict, job: Job) -> dict:
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
-            tracker.save_models({checkpoint.path for checkpoint, _ in result.best_checkpoints})
-            mode = trainer.checkpoint_mode(cfg["train"], cfg["task"])
-            best = tracker.best_model(cfg["train"]["checkpoint_metric"], mode)  # by it, or else the last
-            if best is not None:  # tracking.log_model
-                alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]  # a sweep's: its best job's
-                tracker.log_model(best, cfg["tracking"]["register_as"], alias)
+            alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]  # a sweep's: its best job's
+            tracker.models.finish(
+                workarounds.kept_checkpoints(result),
+                storage.filesystem,
+                cfg["train"]["checkpoint_metric"],  # the best by it, or else the last
+                trainer.checkpoint_mode(cfg["train"], cfg["task"]),
+                cfg["tracking"]["register_as"],
+                alias,
+            )
             verdict = task.no_learning(kind, names, tracker.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
@@ -72,7 +87,7 @@ def run(cfg: dict, job: Job) -> dict:
         settings = {"stage": "evaluate", "predict": {**cfg["predict"], "run": tracker.run_id}}
         predict.run({**cfg, **settings, "tracking": {**cfg["tracking"], "run_name": None}}, job)
     metric = cfg["optimized_metric"]
-    log.info("finished: %s %.4f; %s", metric, tracker.last[metric], tracking.run_link(tracker.uri, tracker.run_id))
+    log.info("finished: %s %.4f; %s", metric, tracker.last[metric], runs.run_link(tracker.uri, tracker.run_id))
     return {k: tracker.last[k] for k in tracker.metrics}
 
 

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import console, models, tracking
+from pipeline import console, models, runs, tracking
 from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
 
@@ -37,7 +37,7 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     cfg = OmegaConf.to_container(sweep_config, resolve=False)
     del cfg["hydra"]
     cfg = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
-    experiment = tracking.experiment_choice(sweep_config.hydra.runtime.choices)
+    experiment = runs.experiment_choice(sweep_config.hydra.runtime.choices)
     job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
     tracking.Tracker.open(cfg, job).end("FAILED", error)
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
@@ -58,8 +58,8 @@ def summarize(client, experiment_id: str, parent: str, metric: str, better: int)
             # a trial a Tune scheduler stopped early ended FINISHED: its table row says STOPPED
             "status": "STOPPED" if tracking.STOPPED_TAG in child.data.tags else child.info.status,
             "value": child.data.metrics.get(metric, math.nan),
-            "overrides": child.data.tags.get(tracking.OVERRIDES_TAG, ""),
-            "error": child.data.tags.get(tracking.ERROR_TAG, ""),
+            "overrides": child.data.tags.get(runs.OVERRIDES_TAG, ""),
+            "error": child.data.tags.get(runs.ERROR_TAG, ""),
         }
         for child in children
     ]
@@ -84,8 +84,8 @@ class SweepSummary(Callback):
         metric = config.optimized_metric
         sweep_dir = os.path.abspath(config.hydra.sweep.dir)
         try:
-            experiment = tracking.experiment_choice(config.hydra.runtime.choices)
-            store = tracking.Store.open(config.tracking, config.paths.outputs, experiment, create=False)
+            experiment = runs.experiment_choice(config.hydra.runtime.choices)
+            store = runs.Store.open(config.tracking, config.paths.outputs, experiment, create=False)
         except PipelineError as err:
             log.error("sweep %s: cannot summarize it: %s", sweep_dir, err)
             sys.exit(1)
@@ -107,7 +107,7 @@ class SweepSummary(Callback):
                 log.info(
                     "models:/%s@%s is version %s (job %s)", name, config.tracking.register_alias, version, best["name"]
                 )
-        tracking.end_run(client, parent, "FAILED" if failed or best is None else "FINISHED")
+        runs.end_run(client, parent, "FAILED" if failed or best is None else "FINISHED")
         log.info("sweep %s: %d jobs, %d failed\n%s", sweep_dir, len(jobs), len(failed), format_table(jobs, metric))
         if best is not None:
             log.info("best: %s (%s %.4f)", best["name"], metric, best["value"])

@@ -1,8 +1,8 @@
-"""Tracking stage (runs on the driver): one MLflow run per job, written only from the driver.
+"""Tracking stage (runs on the driver): what a job's MLflow run holds, written only from the driver.
 
-:class:`Tracker` owns a training job's run from start (or reopening, to resume) to its end state.
-Everything goes through ``MlflowClient`` with an explicit run id, so no global "active run" state
-leaks between the jobs of a sweep or into worker processes.
+:class:`Tracker` owns a training job's run from start (or reopening, to resume) to its end state: the
+config, the data, each epoch's metrics once, restores, the learning curve. The store and the runs' life
+are :mod:`pipeline.runs`'s; the checkpoints' LoggedModels and the registry :mod:`pipeline.models`'.
 """
 
 from __future__ import annotations
@@ -11,99 +11,35 @@ import json
 import logging
 import math
 import os
-import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
-import ray.train
-import requests
-import torch
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
-from mlflow.exceptions import MlflowException
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from pipeline import models
-from pipeline.checkpoint import CHECKPOINT_FILE
 from pipeline.console import data_wait_note
 from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import RunStorage
 from pipeline.metrics import LOSSES, epoch_metrics, first_task_metric
+from pipeline.runs import MAX_TAG_LENGTH, STORAGE_TAG, Store, end_run, end_status, reopen, reopen_run, start_run
 
 log = logging.getLogger(__name__)
-CODE_DIR = str(Path(__file__).resolve().parent)
 
-SERVER_TIMEOUT_S = 5.0
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
-MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
-SWEEP_DIR_TAG = "pipeline.sweep_dir"
-OVERRIDES_TAG = "pipeline.overrides"
-ERROR_TAG = "pipeline.error"
 STOPPED_TAG = "pipeline.stopped_early"  # a run that train.early_stop or a Tune scheduler stopped: when, and why
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
-STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
-
-
-def resolve_uri(uri: str | None, outputs: str) -> str:
-    """``tracking.uri`` (MLFLOW_TRACKING_URI feeds it), else an SQLite store in the outputs directory."""
-    return uri or f"sqlite:///{Path(outputs).resolve() / 'mlflow.db'}"
-
-
-def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
-    """A client for the store :func:`resolve_uri` names (creating the outputs directory it lives in),
-    with the store opened: a new SQLite store creates its tables here, the first time only."""
-    resolved = resolve_uri(uri, outputs)
-    if uri is None:
-        os.makedirs(outputs, exist_ok=True)
-    if resolved.startswith(("http://", "https://")):
-        check_server(resolved)
-    client = MlflowClient(tracking_uri=resolved)
-    try:
-        client.search_experiments(max_results=1)
-    except MlflowException as err:
-        raise PipelineError(f"tracking.uri: the MLflow store at {redact(resolved)} failed: {err.message}") from err
-    return client, resolved
-
-
-UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
-UI_VIEW = "workflowType=machine_learning"  # the UI's "Model training" view (it opens in its GenAI one)
-
-
-def run_link(uri: str, run_id: str) -> str:
-    """How to see a run in MLflow's UI: its page, in the training view, on the tracking server, or on the
-    ``mlflow ui`` a file store needs (the command to start it first)."""
-    experiment = MlflowClient(uri).get_run(run_id).info.experiment_id
-    page = f"#/experiments/{experiment}/runs/{run_id}?{UI_VIEW}"
-    if uri.startswith(("http://", "https://")):
-        return f"see it at {redact(uri).rstrip('/')}/{page}"
-    return f"see it with `mlflow ui --backend-store-uri {redact(uri)}` at {UI_ADDRESS}/{page}"
-
-
-def check_server(uri: str) -> None:
-    """Fail within seconds when no MLflow server answers at ``uri``: MLflow's client retries an
-    unreachable server with backoff for minutes before it gives up. Any HTTP answer will do."""
-    try:
-        requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_TIMEOUT_S)
-    except requests.RequestException as err:
-        raise PipelineError(
-            f"tracking.uri: no MLflow tracking server answers at {redact(uri)} ({type(err).__name__}). Start it "
-            "(mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri ...), correct tracking.uri or "
-            "MLFLOW_TRACKING_URI, or unset both to log to the SQLite store in paths.outputs."
-        ) from None  # the chained error repeats the URI, password included
 
 
 def flatten(node: object, prefix: str = "") -> dict[str, str]:
@@ -114,130 +50,6 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
     for key, value in node.items():
         flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
     return flat
-
-
-def experiment_choice(choices) -> str:
-    """The ``+experiment=NAME`` a command chose (Hydra's runtime choices), or ``default``: a job's name for
-    its experiment when ``tracking.experiment_name`` is unset."""
-    return choices.get("experiment") or "default"
-
-
-def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
-    """The experiment's id, created on first use; with the embedded SQLite store its artifacts go
-    beside the store in ``<outputs>/mlartifacts``."""
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    artifacts = (Path(outputs).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-    return client.create_experiment(name, artifact_location=artifacts)
-
-
-@dataclass
-class Store:
-    """The MLflow store and experiment a job's runs go to (``tracking.experiment_name``, else the job's
-    ``+experiment``). :class:`Tracker`'s constructors are the only code that creates or reopens a run."""
-
-    client: MlflowClient
-    uri: str
-    name: str
-    experiment_id: str | None  # None: no such experiment yet (opened with create=False)
-
-    @classmethod
-    def open(cls, tracking_cfg: dict, outputs: str, experiment: str, create: bool = True) -> Store:
-        client, uri = connect(tracking_cfg["uri"], outputs)
-        name = tracking_cfg["experiment_name"] or experiment
-        if create:
-            return cls(client, uri, name, experiment_id(client, uri, name, outputs))
-        found = client.get_experiment_by_name(name)
-        return cls(client, uri, name, found.experiment_id if found else None)
-
-    def runs_where(self, key: str, value: str, **search) -> list:
-        return runs_where(self.client, self.experiment_id, key, value, **search)
-
-    def sweep_parent(self, sweep_dir: str) -> str:
-        return sweep_parent(self.client, self.experiment_id, sweep_dir)
-
-
-def runs_where(client: MlflowClient, experiment: str, key: str, value: str, **search) -> list:
-    """Runs of ``experiment`` whose ``key`` (``run_name`` or a tag) is exactly ``value``, whatever quotes
-    it holds: MLflow's filter strings have no escape, so the other quote encloses it, and a value
-    with both kinds is matched with LIKE (``_`` for each ``'``) and compared exactly here."""
-    field = "attributes.run_name" if key == "run_name" else f"tags.`{key}`"
-    if "'" not in value:
-        runs = client.search_runs([experiment], filter_string=f"{field} = '{value}'", **search)
-    elif '"' not in value:
-        runs = client.search_runs([experiment], filter_string=f'{field} = "{value}"', **search)
-    else:
-        search.pop("max_results", None)
-        runs = client.search_runs([experiment], filter_string=f"{field} LIKE '{value.replace(chr(39), '_')}'", **search)
-    return [r for r in runs if (r.info.run_name if key == "run_name" else r.data.tags.get(key)) == value]
-
-
-def sweep_parent(client: MlflowClient, experiment: str, sweep_dir: str) -> str:
-    """The parent run of a Hydra multirun, found by its sweep directory or created by its first job."""
-    found = runs_where(client, experiment, SWEEP_DIR_TAG, sweep_dir, max_results=1)
-    if found:
-        return found[0].info.run_id
-    name = "sweep " + "/".join(Path(sweep_dir).parts[-2:])
-    return client.create_run(experiment, run_name=name, tags={SWEEP_DIR_TAG: sweep_dir}).info.run_id
-
-
-def git_commit(path: str) -> str | None:
-    """The commit of the code at ``path`` (with ``-dirty`` for uncommitted changes), if it is a checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=40", "--match=NeVeR"],
-            cwd=path,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
-def start_run(
-    store: Store, run_name: str | None, parent: str | None, overrides: list[str], tags: dict[str, str] | None = None
-) -> str:
-    """Create a run (RUNNING), nested under ``parent``, tagged with the Hydra overrides, the code's git
-    commit and ``tags``."""
-    tags = {OVERRIDES_TAG: redact(" ".join(overrides))[:MAX_TAG_LENGTH], **(tags or {})}
-    if parent is not None:
-        tags[MLFLOW_PARENT_RUN_ID] = parent
-    commit = git_commit(CODE_DIR)
-    if commit is not None:
-        tags[MLFLOW_GIT_COMMIT] = commit
-    return store.client.create_run(store.experiment_id, run_name=run_name, tags=tags).info.run_id
-
-
-def reopen(client: MlflowClient, run) -> str:
-    """``run`` RUNNING again, without the error that ended it (it is in the past now); its id."""
-    client.update_run(run.info.run_id, status="RUNNING")
-    if ERROR_TAG in run.data.tags:
-        client.delete_tag(run.info.run_id, ERROR_TAG)
-    return run.info.run_id
-
-
-def reopen_run(store: Store, run_name: str) -> tuple[str, str]:
-    """The newest unfinished run named ``run_name``, set RUNNING again, and its checkpoint location."""
-    found = store.runs_where("run_name", run_name, order_by=["attributes.start_time DESC"], max_results=1)
-    if not found:
-        raise PipelineError(
-            f"train.resume=true: no run named {run_name!r} in this experiment to resume "
-            "(tracking.run_name). Without train.resume a run always starts fresh."
-        )
-    run = found[0]
-    if run.info.status == "FINISHED":
-        raise PipelineError(
-            f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; start a new run instead."
-        )
-    if STORAGE_TAG not in run.data.tags:
-        raise PipelineError(
-            f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
-            "so it has no checkpoint to resume from."
-        )
-    return reopen(store.client, run), run.data.tags[STORAGE_TAG]
 
 
 def without_secrets(cfg: dict) -> dict:
@@ -345,15 +157,6 @@ def mlflow_type(kind: pa.DataType):
     return "string"
 
 
-def log_model(client: MlflowClient, run_id: str, checkpoint_file: str) -> None:
-    """The final weights as ``model/state_dict.pt``, loadable with ``torch.load(weights_only=True)``."""
-    state = torch.load(checkpoint_file, map_location="cpu", weights_only=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "state_dict.pt")
-        torch.save(state["model"], path)
-        client.log_artifact(run_id, path, "model")
-
-
 def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
     """``learning_curve.png``: train/val loss and the task's first metric against epoch, as the store holds them."""
     import matplotlib
@@ -379,32 +182,6 @@ def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
     plt.close(fig)
 
 
-@contextmanager
-def recorded(client: MlflowClient, run_id: str) -> Iterator[None]:
-    """End the run when the block does: FINISHED, KILLED on Ctrl-C or SIGTERM (SystemExit), FAILED on
-    any other error (its message kept as a tag)."""
-    try:
-        yield
-    except BaseException as err:
-        end_run(client, run_id, end_status(err), err)
-        raise
-    end_run(client, run_id, "FINISHED")
-
-
-def end_status(error: BaseException | None) -> str:
-    """FINISHED without an error, KILLED for Ctrl-C or SIGTERM (SystemExit), FAILED for any other."""
-    if error is None:
-        return "FINISHED"
-    return "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"
-
-
-def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:
-    """Close the run as FINISHED, FAILED or KILLED; a failure keeps its message as a tag."""
-    if error is not None:
-        client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:MAX_TAG_LENGTH])
-    client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))
-
-
 class Tracker:
     """A training job's MLflow run: created (or, with ``train.resume``, reopened) when training is about
     to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
@@ -425,7 +202,7 @@ class Tracker:
         self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         # a LoggedModel per checkpoint: made as its epoch is logged, its files saved once training ends
-        self.kept, self.pending = models.kept_models(self.client, self.experiment_id, run_id)
+        self.models = models.CheckpointModels(self.client, self.experiment_id, run_id, cfg)
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
@@ -476,13 +253,10 @@ class Tracker:
         if epoch in self.logged:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
-        kept = None
+        model_id = None
         if checkpoint is not None and self.settings["log_model"]:
-            kept = models.start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
-        model_id = kept.model_id if kept else None
+            model_id = self.models.start(epoch, checkpoint)
         log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.dataset_of)
-        if kept is not None:
-            self.pending.append(kept)
         note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
         if note is not None:
             self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
@@ -511,57 +285,6 @@ class Tracker:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
         count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
         self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
-
-    def save_models(self, keep: set[str] | None) -> None:
-        """The checkpoints' LoggedModels get their files, once training has ended (``torch.export`` takes the
-        GIL for seconds, which would slow training and the driver's answer to Ctrl-C). Those of checkpoints
-        Ray Train no longer keeps (not in ``keep``, when given; ``train.num_to_keep``) are deleted, as are
-        those whose checkpoint is gone. A model that cannot be saved fails the run, naming the error."""
-        for kept in [k for k in self.kept if keep is not None and k.checkpoint not in keep]:
-            self.client.delete_logged_model(kept.model_id)
-            self.kept.remove(kept)
-        pending, self.pending = self.pending, []
-        for kept in pending:
-            if keep is not None and kept.checkpoint not in keep:
-                self.client.delete_logged_model(kept.model_id)
-                continue
-            try:
-                with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
-                    models.log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
-            except FileNotFoundError:  # dropped by Ray Train
-                self.client.delete_logged_model(kept.model_id)
-                continue
-            except Exception as err:  # torch.export cannot trace every model
-                raise PipelineError(
-                    f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
-                    f"({type(err).__name__}: {err}). Set tracking.log_model=false to train without logged models."
-                ) from err
-            self.kept.append(kept)
-
-    def best_model(self, metric: str | None, mode: str) -> models.Kept | None:
-        """The kept checkpoint best by ``metric`` (``mode``: max or min; the earliest of equals), or the
-        latest without one; None when none was logged."""
-        if metric is None or not self.kept:
-            return self.kept[-1] if self.kept else None
-        value = {m.step: m.value for m in self.client.get_metric_history(self.run_id, metric)}
-        return (max if mode == "max" else min)(self.kept, key=lambda kept: value[kept.epoch])
-
-    def log_model(self, kept: models.Kept, register_as: str | None, alias: str | None) -> None:
-        """The kept checkpoint's weights as the run's ``model/state_dict.pt``; with ``register_as``, its
-        LoggedModel a new registered version, ``alias`` moved to it (a sweep moves its alias to its best
-        job's version when it ends: sweep.py)."""
-        with ray.train.Checkpoint(kept.checkpoint, self.storage.filesystem).as_directory() as local:
-            log_model(self.client, self.run_id, os.path.join(local, CHECKPOINT_FILE))
-        self.client.set_tag(self.run_id, models.BEST_MODEL_TAG, kept.model_id)
-        if register_as is not None:
-            version = models.register_model(self.client, self.run_id, register_as, alias, kept.model_id)
-            log.info(
-                "registered checkpoint-%d as %s version %s%s",
-                kept.epoch,
-                register_as,
-                version,
-                f" (models:/{register_as}@{alias})" if alias else "",
-            )
 
     def log_data(self, splits: dict, statistics: dict | None) -> None:
         """What the run trains and validates on (a resumed run logged it on its first start)."""

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import build, console, filesystems, preflight, source, tracking, workarounds
+from pipeline import build, console, filesystems, preflight, runs, source, tracking, workarounds
 from pipeline.build import Job
 from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
@@ -73,7 +73,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     splits = {name: preflight.checked(cfg)[0] for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
     metric = first["optimized_metric"]
-    experiment = tracking.experiment_choice(config.hydra.runtime.choices)
+    experiment = runs.experiment_choice(config.hydra.runtime.choices)
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
     recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
     trainable = tune.with_resources(
@@ -213,14 +213,14 @@ class TrialRecorder(tune.Callback):
         trial_id, params = trial.trial_id, trial.config
         os.makedirs(trial_dir(self.sweep_dir, trial_id), exist_ok=True)  # its metrics.jsonl, wherever checkpoints go
         cfg = trial_config(self.bases, params)
-        store = tracking.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
+        store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
         tracker = self.reopen(store, cfg, trial_id) or self.open(store, cfg, trial_id, params)
         storage = filesystems.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
         tracker.set_storage(storage)
         self.open_trials[trial_id] = OpenTrial(tracker, cfg)
         log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))
 
-    def open(self, store: tracking.Store, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
+    def open(self, store: runs.Store, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
         """A new child run, named for its number in the sweep and its sampled values."""
         overrides = [*self.fixed, *trial_overrides(params)]
         shown = " ".join(o for o in overrides if o != f"+experiment={self.experiment}")
@@ -231,7 +231,7 @@ class TrialRecorder(tune.Callback):
         tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
         return tracker
 
-    def reopen(self, store: tracking.Store, cfg: dict, trial_id: str) -> tracking.Tracker | None:
+    def reopen(self, store: runs.Store, cfg: dict, trial_id: str) -> tracking.Tracker | None:
         """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
         tracker = tracking.Tracker.reopen_tagged(store, cfg, TRIAL_TAG, trial_id)
         if tracker is not None:
@@ -271,11 +271,15 @@ class TrialRecorder(tune.Callback):
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
             tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)
-        tracker.save_models(None)
         train = running.cfg["train"]
-        best = tracker.best_model(train["checkpoint_metric"], checkpoint_mode(train, running.cfg["task"]))
-        if best is not None:  # tracking.log_model; the alias: the sweep's best trial's, when it ends
-            tracker.log_model(best, running.cfg["tracking"]["register_as"], None)
+        tracker.models.finish(  # the alias: the sweep's best trial's, when it ends
+            None,
+            tracker.storage.filesystem,
+            train["checkpoint_metric"],
+            checkpoint_mode(train, running.cfg["task"]),
+            running.cfg["tracking"]["register_as"],
+            None,
+        )
         tracker.end("FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:

@@ -214,3 +214,15 @@ def release_placement_group(group_id: str) -> None:
     group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
     if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
         remove_placement_group(group)
+
+
+def kept_checkpoints(result: ray.train.Result) -> set[str]:
+    """The paths of every checkpoint Ray Train keeps on storage at the end of a run.
+
+    Ray 2.60: with ``num_to_keep``, Ray Train keeps the best ``num_to_keep`` checkpoints and, always, the
+    latest; ``Result.best_checkpoints`` lists only the former, so a latest checkpoint that is not among the
+    best is on storage but in no list but ``Result.checkpoint``."""
+    kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints or []}
+    if result.checkpoint is not None:
+        kept.add(result.checkpoint.path)
+    return kept

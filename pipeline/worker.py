@@ -23,16 +23,17 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
-import torch.distributed as dist
 from hydra.utils import instantiate
 
 from pipeline import checkpoint, finetune
 from pipeline.checkpoint import autocast_settings, feature_scaler
+from pipeline.early_stop import EarlyStopping
 from pipeline.finetune import Initial
 from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
-from pipeline.metrics import LOSSES, lower_is_better
+from pipeline.metrics import LOSSES
 from pipeline.source import Layout
 from pipeline.task import Task
+from pipeline.telemetry import EpochTelemetry, sum_over_workers
 
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 
@@ -61,7 +62,7 @@ def train_loop_per_worker(config: dict) -> None:
     if state is not None:
         replica.load_state_dict(state)
         if stopper is not None:
-            stopper.best, stopper.best_epoch = state.get("early_stop", (None, -1))
+            stopper.load_state_dict(state.get("early_stop"))
         if rank == 0:  # the driver counts every restore
             events.put(CheckpointRestored(start))
     progress = events.put if rank == 0 else None
@@ -172,7 +173,7 @@ class Replica:
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if stopper is not None:
-            state["early_stop"] = (stopper.best, stopper.best_epoch)
+            state["early_stop"] = stopper.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,9 +186,9 @@ class Replica:
 
 
 def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, steps: int, progress) -> dict:
-    """One pass over the worker's training shard (``steps`` batches); loss, rows, throughput, data wait and
-    skipped steps over all workers. ``progress`` (rank 0) gets the step and batch loss once a second, and
-    every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
+    """One pass over the worker's training shard (``steps`` batches); its figures over all workers
+    (:class:`pipeline.telemetry.EpochTelemetry`). ``progress`` (rank 0) gets the step and batch loss once a
+    second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
 
     The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
     fewer batches than ``steps`` (rows skipped by a transform), what they accumulated after the last step
@@ -195,13 +196,9 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
     features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
     replica.optimizer.zero_grad(set_to_none=True)
-    device = next(replica.model.parameters()).device
-    # Sums stay on the device: a .item() per step would stall a GPU on every batch.
-    loss_sum, loss_rows = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), device=device)
-    seen, last_sent = 0, float("-inf")
-    clock, log_every, accumulate = WaitClock(), cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"]
-    skipped, first_nonfinite = 0, torch.zeros((), dtype=torch.long, device=device)  # the batch, 0: none
-    for step, batch in enumerate(clock.wrap(batches), start=1):
+    telemetry = EpochTelemetry(next(replica.model.parameters()).device)
+    log_every, accumulate, last_sent = cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"], -math.inf
+    for step, batch in enumerate(telemetry.timed(batches), start=1):
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
         update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
@@ -209,35 +206,21 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
             loss = replica.task.loss(replica.model(replica.scale(batch[features])), batch[labels])
         replica.backward(loss, accumulate, update)
         if update:
-            skipped += not replica.step()
-        rows, finite = len(batch[labels]), torch.isfinite(loss.detach())  # a skipped step's NaN stays out
-        loss_sum += torch.where(finite, loss.detach().double() * rows, 0.0)
-        loss_rows += finite * rows
-        first_nonfinite = torch.where((first_nonfinite == 0) & ~finite, step, first_nonfinite)
-        seen += rows
+            telemetry.skipped += not replica.step()
+        telemetry.batch(step, loss, len(batch[labels]))
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely
             progress(StepTaken(epoch, step, epoch * steps + step, log, loss.item(), time.time()))
             last_sent = time.monotonic()
-    elapsed = clock.elapsed()
-    if replica.on_nonfinite == "raise" and first_nonfinite.item():
+    if replica.on_nonfinite == "raise" and (batch_number := telemetry.nonfinite_batch()):
         raise FloatingPointError(
-            f"the loss became NaN or inf at epoch {epoch + 1}, batch {first_nonfinite.item()}: training diverged, "
+            f"the loss became NaN or inf at epoch {epoch + 1}, batch {batch_number}: training diverged, "
             "most often from a learning rate too high for the model (the last step's: "
             f"{replica.optimizer.param_groups[0]['lr']:g}). Lower optim.lr, clip the gradients with "
             "train.grad_clip, or skip such steps with train.on_nonfinite=skip."
         )
-    total_loss, loss_rows, total_seen, waited, ran = sum_over_workers(
-        [loss_sum.item(), loss_rows.item(), seen, clock.waited, elapsed], device
-    )
-    return {
-        "train_loss": LOSSES["train_loss"].value(total_loss, loss_rows),
-        "train_throughput": total_seen / elapsed,
-        "train_rows": int(total_seen),
-        "data_wait_fraction": waited / max(ran, 1e-9),
-        "skipped_steps": skipped,  # the same on every rank: they all see the all-reduced gradients
-    }
+    return telemetry.totals()
 
 
 @torch.no_grad()
@@ -270,39 +253,6 @@ def report(metrics: dict, state: dict | None) -> None:
             checkpoint.save(state, tmp)
             saved = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=saved)
-
-
-@dataclass
-class EarlyStopping:
-    """``train.early_stop``: stop once ``metric`` has gone ``patience`` epochs without improving on its
-    best by more than ``min_delta``. Its record (best value and epoch) is kept in each checkpoint."""
-
-    metric: str
-    patience: int
-    min_delta: float
-    lower_is_better: bool
-    best: float | None = None
-    best_epoch: int = -1
-
-    @classmethod
-    def of(cls, cfg: dict) -> EarlyStopping | None:
-        stop, task = cfg["train"]["early_stop"], cfg["task"]
-        if stop["patience"] is None:
-            return None
-        metric = stop["metric"] or cfg["optimized_metric"]
-        return cls(metric, stop["patience"], stop["min_delta"], lower_is_better(task["type"], task["metrics"], metric))
-
-    def update(self, value: float, epoch: int) -> str | None:
-        """Take an epoch's value; why training stops, once patience has run out."""
-        gain = (self.best - value if self.lower_is_better else value - self.best) if self.best is not None else math.inf
-        if gain > self.min_delta:
-            self.best, self.best_epoch = value, epoch
-        elif epoch - self.best_epoch >= self.patience:
-            return (
-                f"{self.metric} did not improve by more than {self.min_delta:g} for {self.patience} epoch(s) "
-                f"(best {self.best:.4g} after epoch {self.best_epoch + 1})"
-            )
-        return None
 
 
 def restored_state(device: torch.device) -> dict | None:
@@ -340,14 +290,6 @@ def torch_batches(
     )
 
 
-def sum_over_workers(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise sums over every worker (no-op outside a process group)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
     digest = hashlib.sha256()
@@ -367,26 +309,6 @@ def where_this_runs(rank: int) -> dict:
         "placement_group": group.id.hex() if group is not None else None,
         "code": os.path.dirname(os.path.abspath(__file__)),
     }
-
-
-class WaitClock:
-    """Seconds a loop spent waiting for its next batch, against the seconds it ran: is ingest the bottleneck?"""
-
-    def __init__(self) -> None:
-        self.waited, self.started = 0.0, time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def wrap(self, batches: Iterable) -> Iterator:
-        iterator = iter(batches)
-        while True:
-            before = time.perf_counter()
-            batch = next(iterator, None)
-            self.waited += time.perf_counter() - before
-            if batch is None:
-                return
-            yield batch
 
 
 def prefetched(batches: Iterable) -> Iterator:

@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import no_runs_logged, run_cli
 
-from pipeline import predict, source, tracking
+from pipeline import datasets, predict, source, tracking
 from pipeline.build import Job
 from pipeline.config import validate
 from pipeline.errors import PipelineError
@@ -115,7 +115,7 @@ def write_sorted_and_shuffled(root: Path) -> None:
 
 def sorted_wine(root: Path) -> None:
     """scikit-learn's wine data as a user may store it: the training rows class by class, a file per class."""
-    source.write_sklearn(str(root), "wine")
+    datasets.write_sklearn(str(root), "wine")
     train = pq.read_table(root / "wine" / "train")
     for path in (root / "wine" / "train").iterdir():
         path.unlink()
@@ -142,7 +142,7 @@ def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predict
     the shuffled copy scikit-learn's rows are written as. The shuffled copy holds its labels as names, with
     source.num_classes left out: the classes are found, sorted, logged, and the model (the newest run)
     predicts its validation rows by name: the tabular classification path end to end."""
-    source.write_sklearn(str(tmp_path / "shuffled"), "wine")
+    datasets.write_sklearn(str(tmp_path / "shuffled"), "wine")
     for split in ("train", "valid"):
         named(tmp_path / "shuffled" / "wine" / split)
     sorted_wine(tmp_path / "sorted")
@@ -203,7 +203,7 @@ def test_per_class_figures_match_a_hand_count():
 def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_row(tmp_path):
     """Classes by name come from the training split (sorted); a validation label outside them is an error
     before anything runs, as is a class count that disagrees with them."""
-    source.write_sklearn(str(tmp_path), "wine")
+    datasets.write_sklearn(str(tmp_path), "wine")
     for split in ("train", "valid"):
         named(tmp_path / "wine" / split)
     args = ["+experiment=wine_mlp", f"source.root={tmp_path}", "source.num_classes=null"]
@@ -360,7 +360,7 @@ def test_a_regression_table_trains_and_predicts_with_its_tasks_metrics(tmp_path,
     on the shared runtime, as a sweep's jobs run (the CLI itself: test_pipeline.py; classification:
     the class-sorted test above)."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(tmp_path / "data"))
-    source.write_sklearn(str(tmp_path / "data"), "diabetes", vector=True)
+    datasets.write_sklearn(str(tmp_path / "data"), "diabetes", vector=True)
     with_a_missing_value(tmp_path / "data" / "diabetes" / "train", "features", row=3, value=float("nan"), index=2)
     with_a_missing_value(tmp_path / "data" / "diabetes" / "valid", "features", row=5, value=None, index=0)
     args = [
@@ -409,7 +409,7 @@ def test_a_nan_in_a_tables_training_rows_fails_before_any_run_naming_file_column
     """What CSV and database exports hold: one NaN in one feature of one training row. The default,
     source.on_missing: raise, refuses the job before its MLflow run exists, in one paragraph naming it: in
     the standardization statistics' pass (a bad value among the first rows: the cache's size estimate)."""
-    source.write_sklearn(str(tmp_path / "data"), "wine")
+    datasets.write_sklearn(str(tmp_path / "data"), "wine")
     path = with_a_missing_value(tmp_path / "data" / "wine" / "train", "malic_acid", row=100, value=float("nan"))
     cfg = compose_cfg(
         ["+experiment=wine_mlp", f"source.root={tmp_path / 'data'}", f"paths.outputs={tmp_path / 'outputs'}"]

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import preflight, source, tracking
+from pipeline import datasets, models, preflight, runs, tracking
 from pipeline.checkpoint import CHECKPOINT_FILE
 from pipeline.errors import PipelineError
 from pipeline.predict import Predictor, check_output, load_weights, prediction_split, trained_run
@@ -34,7 +34,7 @@ def test_the_model_run_is_named_by_id_or_name_or_is_the_newest_finished_training
         ("died", "FAILED", True),
         ("sweep parent", "FINISHED", False),
     ]:
-        tags = {tracking.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
+        tags = {runs.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
         ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
         client.set_terminated(ids[name], status)
     assert trained_run(client, experiment, None).info.run_id == ids["new"]
@@ -66,7 +66,7 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     run_id = client.create_run(experiment, run_name="r").info.run_id
     with pytest.raises(PipelineError, match="has no model/state_dict.pt .* predict.checkpoint=PATH"):
         load_weights(client, client.get_run(run_id), None)
-    tracking.log_model(client, run_id, str(tmp_path / "ckpt" / CHECKPOINT_FILE))
+    models.log_model(client, run_id, str(tmp_path / "ckpt"))
     loaded, statistics = load_weights(client, client.get_run(run_id), None)
     assert torch.equal(loaded["w"], weights["w"]) and statistics is None
     client.log_dict(run_id, standardized, tracking.STATISTICS_ARTIFACT)  # as a standardized run logs them
@@ -117,7 +117,7 @@ def test_predict_without_a_trained_run_says_what_to_do(tmp_path, data_root):
 def test_evaluation_scores_source_test_when_given_and_a_test_split_without_labels_fails_before_training(tmp_path):
     """predict.source, else source.test, else source.valid; train.evaluate checks the rows it will score
     before the run starts (here before Ray would)."""
-    source.write_sklearn(str(tmp_path), "wine")
+    datasets.write_sklearn(str(tmp_path), "wine")
     wine = tmp_path / "wine"
     rows = pq.read_table(wine / "valid")
     (wine / "test").mkdir()

@@ -16,7 +16,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
-from pipeline.workarounds import explain, release_placement_group, root_cause
+from pipeline.workarounds import explain, kept_checkpoints, release_placement_group, root_cause
 
 
 def read_a_bad_row(config: dict) -> None:
@@ -89,6 +89,42 @@ def test_shutdown_kills_a_slow_raylet_after_a_second_and_its_agents_report_its_e
     assert "report_raylet_error_logs(log_dir, gcs_client)" in inspect.getsource(process_watcher._check_parent)
     assert "publish_error_to_driver(" in inspect.getsource(process_watcher.report_raylet_error_logs)
     assert "message, job_id, 60)" in inspect.getsource(utils.publish_error_to_driver)
+
+
+def report_worsening_checkpoints(config: dict) -> None:
+    """Three epochs, each with a checkpoint scoring worse than the last."""
+    import tempfile
+
+    for epoch, score in enumerate((0.9, 0.5, 0.1)):
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "epoch.txt"), "w") as out:
+                out.write(str(epoch))
+            ray.train.report({"epoch": epoch, "score": score}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+@pytest.mark.slow
+def test_best_checkpoints_leave_out_the_latest_checkpoint_ray_keeps(ray_runtime, tmp_path):
+    """Workaround: ``kept_checkpoints``. With num_to_keep=1, Ray Train keeps the best checkpoint and the latest
+    on storage, but ``Result.best_checkpoints`` lists the best alone."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    result = TorchTrainer(
+        report_worsening_checkpoints,
+        scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(
+            storage_path=str(tmp_path),
+            name="kept",
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute="score", checkpoint_score_order="max"
+            ),
+        ),
+    ).fit()
+    on_storage = {str(path) for path in (tmp_path / "kept").glob("checkpoint_*") if path.is_dir()}
+    assert len(on_storage) == 2  # the best (epoch 0) and the latest (epoch 2)
+    listed = {checkpoint.path for checkpoint, _ in result.best_checkpoints}
+    assert len(listed) == 1 and result.checkpoint.path not in listed, (
+        "best_checkpoints now lists the latest checkpoint too: kept_checkpoints may go"
+    )
+    assert kept_checkpoints(result) == on_storage
 
 
 def report_epochs_forever(config: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import compose_cfg
 from mlflow import MlflowClient
 
-from pipeline import tracking
+from pipeline import runs, tracking
 from pipeline.build import Job
 
 
@@ -19,13 +19,13 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     )
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = tracking.Store(client, client.tracking_uri, "e", experiment)
+    store = runs.Store(client, client.tracking_uri, "e", experiment)
     job = Job(str(tmp_path), "e", ["tracking.uri=https://alice:tok-3141@mlflow.example.com"])
     run_id = tracking.Tracker.start(store, cfg, job, None, None).run_id
     run = client.get_run(run_id)
     assert run.data.params["tracking.uri"] == "https://alice:***@mlflow.example.com"
     assert run.data.params["ray.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY"] == "***"
-    assert run.data.tags[tracking.OVERRIDES_TAG] == "tracking.uri=https://alice:***@mlflow.example.com"
+    assert run.data.tags[runs.OVERRIDES_TAG] == "tracking.uri=https://alice:***@mlflow.example.com"
     logged = tracking.logged_config(client, run_id)
     assert logged["tracking"]["uri"] == "https://alice:***@mlflow.example.com"
     assert logged["ray"]["runtime_env"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "***"}
@@ -44,19 +44,19 @@ def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = tracking.Store(client, client.tracking_uri, "e", experiment)
+    store = runs.Store(client, client.tracking_uri, "e", experiment)
     for status in ("RUNNING", "KILLED", "FAILED"):
-        tags = {tracking.STORAGE_TAG: f"/ckpt/{status}"}
+        tags = {runs.STORAGE_TAG: f"/ckpt/{status}"}
         run_id = client.create_run(experiment, run_name=f"r-{status}", tags=tags).info.run_id
         if status != "RUNNING":
-            tracking.end_run(client, run_id, status, RuntimeError("stopped"))
-        assert tracking.reopen_run(store, f"r-{status}") == (run_id, f"/ckpt/{status}")
+            runs.end_run(client, run_id, status, RuntimeError("stopped"))
+        assert runs.reopen_run(store, f"r-{status}") == (run_id, f"/ckpt/{status}")
         reopened = client.get_run(run_id)
-        assert reopened.info.status == "RUNNING" and tracking.ERROR_TAG not in reopened.data.tags
-    done = client.create_run(experiment, run_name="done", tags={tracking.STORAGE_TAG: "/ckpt/done"}).info.run_id
-    tracking.end_run(client, done, "FINISHED")
+        assert reopened.info.status == "RUNNING" and runs.ERROR_TAG not in reopened.data.tags
+    done = client.create_run(experiment, run_name="done", tags={runs.STORAGE_TAG: "/ckpt/done"}).info.run_id
+    runs.end_run(client, done, "FINISHED")
     with pytest.raises(PipelineError, match="run 'done' .* already finished"):
-        tracking.reopen_run(store, "done")
+        runs.reopen_run(store, "done")
 
 
 def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
@@ -66,11 +66,11 @@ def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
     names = ["plain", "it's", 'say "hi"', "both ' and \"", 'both _ and "']  # the last is a LIKE look-alike
     ids = {name: client.create_run(experiment, run_name=name).info.run_id for name in names}
     for name in names:
-        assert [r.info.run_id for r in tracking.runs_where(client, experiment, "run_name", name)] == [ids[name]]
-    tracking.end_run(client, ids["both ' and \""], "KILLED")
-    client.set_tag(ids["both ' and \""], tracking.STORAGE_TAG, "/ckpt/q")
-    store = tracking.Store(client, client.tracking_uri, "e", experiment)
-    assert tracking.reopen_run(store, "both ' and \"") == (ids["both ' and \""], "/ckpt/q")
+        assert [r.info.run_id for r in runs.runs_where(client, experiment, "run_name", name)] == [ids[name]]
+    runs.end_run(client, ids["both ' and \""], "KILLED")
+    client.set_tag(ids["both ' and \""], runs.STORAGE_TAG, "/ckpt/q")
+    store = runs.Store(client, client.tracking_uri, "e", experiment)
+    assert runs.reopen_run(store, "both ' and \"") == (ids["both ' and \""], "/ckpt/q")
     sweep_dir = str(tmp_path / 'it\'s "here"')
-    parent = tracking.sweep_parent(client, experiment, sweep_dir)
-    assert tracking.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
+    parent = runs.sweep_parent(client, experiment, sweep_dir)
+    assert runs.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice

@@ -11,10 +11,11 @@ import torch.multiprocessing
 from conftest import free_port
 
 from pipeline.checkpoint import autocast_settings
+from pipeline.early_stop import EarlyStopping
 from pipeline.metrics import epoch_metrics
 from pipeline.source import Layout
 from pipeline.task import Task
-from pipeline.worker import EarlyStopping, Replica, evaluate, prefetched, train_epoch
+from pipeline.worker import Replica, evaluate, prefetched, train_epoch
 
 CLASSIFY = {"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": ["accuracy"]}
 

@@ -281,7 +281,7 @@ def test_photos_are_written_offline_at_real_and_varied_sizes(tmp_path):
     import pyarrow.parquet as pq
     import simplejpeg
 
-    from pipeline.source import write_photos
+    from pipeline.datasets import write_photos
 
     write_photos(str(tmp_path), rows=60, files=3, gray_fraction=0.2)
     train, valid = pq.read_table(tmp_path / "photos" / "train"), pq.read_table(tmp_path / "photos" / "valid")
