@@ -25,17 +25,16 @@ RESIDUALS_ARTIFACT = "residuals.png"
 
 def per_class(labels: np.ndarray, predicted: np.ndarray, classes: list) -> tuple[np.ndarray, list[dict]]:
     """The confusion matrix (rows: true class, columns: predicted, in ``classes`` order) and each class's
-    precision, recall, F1 and support; a class never predicted has precision 0, one never present recall 0."""
-    index = {value: i for i, value in enumerate(classes)}
-    matrix = np.zeros((len(classes), len(classes)), dtype=np.int64)
-    np.add.at(matrix, ([index[v] for v in labels], [index[v] for v in predicted]), 1)
-    rows = []
-    for i, name in enumerate(classes):
-        hits, predicted_as, present = matrix[i, i], matrix[:, i].sum(), matrix[i, :].sum()
-        precision = hits / predicted_as if predicted_as else 0.0
-        recall = hits / present if present else 0.0
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        rows.append({"class": str(name), "precision": precision, "recall": recall, "f1": f1, "support": int(present)})
+    precision, recall, F1 and support (scikit-learn's); a class never predicted has precision 0, one never
+    present recall 0."""
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    matrix = confusion_matrix(labels, predicted, labels=classes)
+    scores = precision_recall_fscore_support(labels, predicted, labels=classes, zero_division=0.0)
+    rows = [
+        {"class": str(name), "precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
+        for name, p, r, f, n in zip(classes, *scores)
+    ]
     return matrix, rows
 
 

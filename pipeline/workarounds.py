@@ -14,6 +14,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 import ray.train
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -82,40 +83,25 @@ def end_agents_at_exit() -> None:
     loaded machine it needs longer). Its agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) then
     take the raylet's end for a crash and report it to the GCS, which has ended too, and wait out that
     report's 60 s timeout: orphans of a command that has exited. This records them now; at exit, after
-    shutting Ray down first, it ends those still running. Linux only (/proc); elsewhere nothing."""
-    agents = {pid: title for pid, title in descendants(os.getpid()).items() if title.startswith(RAYLET_AGENTS)}
+    shutting Ray down first, it ends those still running."""
+    agents = [p for p in psutil.Process().children(recursive=True) if process_title(p).startswith(RAYLET_AGENTS)]
 
     def end() -> None:
         ray.shutdown()
-        for pid, title in agents.items():
-            if process_title(pid) == title:  # still that process, not a new one with its pid
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+        for agent in agents:
+            with contextlib.suppress(psutil.Error):
+                if agent.is_running():  # still that process (psutil tells a reused pid apart)
+                    agent.kill()
 
     atexit.register(end)  # before Ray's own shutdown at exit (atexit runs the newest first)
 
 
-def process_title(pid: int) -> str | None:
-    """A process's command line, or None once it is gone."""
+def process_title(process: psutil.Process) -> str:
+    """A process's command line ("" once it is gone)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return None
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """The processes below ``pid``, by pid: their command lines ({} without /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry.name}/stat") as stat:
-            children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = process_title(child) or ""
-            todo.append(child)
-    return found
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
 
 
 _stop_requests: list[BaseException] = []

@@ -33,6 +33,7 @@ for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_SH
     os.environ.pop(variable, None)
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -111,43 +112,22 @@ def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
             time.sleep(0.3)
 
 
-def descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> list[psutil.Process]:
     """Every live process below ``pid`` (Ray's raylet, GCS and workers for a local runtime)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        if fields := stat_fields(int(entry.name)):
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None once it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
-def start_times(pids: set[int]) -> dict[int, str]:
-    """Each process's start time, by pid: with it, a pid the kernel has handed to a new process (pid_max is
-    32768 here, and Ray's threads take ids from the same range) is not taken for the one that ended."""
-    return {pid: fields[19] for pid in pids if (fields := stat_fields(pid))}
-
-
-def alive(processes: dict[int, str]) -> dict[int, str]:
-    """Those of ``processes`` (pid: start time) still running, with their command lines; a zombie, or a
-    pid that now names another process, counts as gone."""
+def alive(processes: list[psutil.Process]) -> dict[int, str]:
+    """Those of ``processes`` still running, by pid, with their command lines; a zombie, or a pid that now
+    names another process (psutil compares start times), counts as gone."""
     running = {}
-    for pid, started in processes.items():
-        fields = stat_fields(pid)
-        if fields and fields[0] != "Z" and fields[19] == started:
-            with contextlib.suppress(OSError):
-                running[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running[process.pid] = " ".join(process.cmdline())[:200]
     return running
 
 

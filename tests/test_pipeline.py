@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import compose_cfg, descendants, free_port, in_process, write_split
 from mlflow import MlflowClient
+from mlflow.entities import Run
 from omegaconf import OmegaConf
 
 from pipeline.build import Job
@@ -53,96 +57,142 @@ def test_startup_clock_starts_when_python_imports_the_pipeline_not_when_its_proc
     assert 0.0 <= float(since) < 1.5
 
 
-@pytest.mark.slow
-def test_cli_run_logs_everything_to_mlflow_and_checkpoints(tmp_path, data_root):
+WATCH = ["tracking.log_every_n_steps=2", "tracking.system_metrics_s=1", "tracking.data_wait_warning=0"]
+
+
+@dataclass
+class CliRun:
+    """One ``python -m pipeline +experiment=smoke`` of two epochs, then ``stage=predict`` on its model."""
+
+    root: Path
+    output: str
+    elapsed: float
+    client: MlflowClient
+    run: Run
+    predict_output: str
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory, data_root) -> CliRun:
+    root = tmp_path_factory.mktemp("cli")
     started = time.monotonic()
-    watch = ["tracking.log_every_n_steps=2", "tracking.system_metrics_s=1", "tracking.data_wait_warning=0"]
     result = run_cli(
-        ["+experiment=smoke", "train.epochs=2", "source.limit=null", *watch, "hydra.run.dir=run"], tmp_path, data_root
+        ["+experiment=smoke", "train.epochs=2", "source.limit=null", *WATCH, "hydra.run.dir=run"], root, data_root
     )
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert "epoch 1/2  train_loss" in output and "epoch 2/2  train_loss" in output
-    assert "RayTrainWorker pid=" not in output and "Traceback" not in output  # Ray's logs stay in files
+    client = MlflowClient(f"sqlite:///{root / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    predicted = run_cli(["+experiment=smoke", "stage=predict", "hydra.run.dir=predict"], root, data_root)
+    assert predicted.returncode == 0, predicted.stdout + predicted.stderr
+    return CliRun(root, output, elapsed, client, run, predicted.stdout + predicted.stderr)
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("smoke")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1
-    run_info = runs[0]
-    assert run_info.info.status == "FINISHED"
-    assert "mlflow.parentRunId" not in run_info.data.tags  # a single run is not part of a sweep
-    assert run_info.data.tags["pipeline.overrides"] == " ".join(
-        ["+experiment=smoke train.epochs=2 source.limit=null", *watch]
+
+@pytest.mark.slow
+def test_a_cli_run_finishes_with_our_lines_on_the_console(cli_run):
+    assert "epoch 1/2  train_loss" in cli_run.output and "epoch 2/2  train_loss" in cli_run.output
+    assert "RayTrainWorker pid=" not in cli_run.output and "Traceback" not in cli_run.output  # Ray's logs: files
+    assert cli_run.run.info.status == "FINISHED"
+    assert "mlflow.parentRunId" not in cli_run.run.data.tags  # a single run is not part of a sweep
+
+
+@pytest.mark.slow
+def test_the_run_records_its_overrides_params_and_config(cli_run, data_root):
+    run = cli_run.run
+    assert run.data.tags["pipeline.overrides"] == " ".join(
+        ["+experiment=smoke train.epochs=2 source.limit=null", *WATCH]
     )
-    params = run_info.data.params
+    params = run.data.params
     assert params["model.hidden_dim"] == "64" and params["train.epochs"] == "2"
     assert params["model._target_"] == "torchvision.models.VisionTransformer"
     assert params["source.train"] == f"{data_root}/cifar10/train"
-    for metric in METRICS:
-        history = client.get_metric_history(run_info.info.run_id, metric)
-        assert sorted(m.step for m in history) == [0, 1], metric
-    assert 0.0 <= run_info.data.metrics["val_accuracy"] <= 1.0
-    assert 0.0 < run_info.data.metrics["data_wait_fraction"] < 1.0  # waited for some batches, not only waited
-    startup = client.get_metric_history(run_info.info.run_id, "startup_s")  # command to first training step
-    assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < elapsed
-    # between epochs: rank 0's batch loss every 2 steps (4 steps an epoch), at the global step
-    steps = client.get_metric_history(run_info.info.run_id, "train_loss_step")
-    assert sorted(m.step for m in steps) == [2, 4, 6, 8] and all(0 < m.value < 10 for m in steps)
-    # MLflow's own system metrics for the run, once a second
-    assert 0 < run_info.data.metrics["system/cpu_utilization_percentage"] <= 100
-    assert run_info.data.metrics["system/system_memory_usage_megabytes"] > 0
-    # any wait is above a limit of 0: the console's epoch line and the run say so, naming the setting
-    assert "above tracking.data_wait_warning=0" in output and "raise scaling.data_cpus" in output
-    assert run_info.data.tags["pipeline.data_wait"].startswith("epoch 2: data_wait ")
-    # ingest.cache (auto): each split decoded once; what it holds on the console and in the run
-    assert "ingest: cached in Ray's object store: train 512 rows, 1.5 MiB in " in output
-    assert run_info.data.tags["pipeline.cache"].startswith("cached in Ray's object store: train 512 rows")
-    assert 512 * 3072 <= run_info.data.metrics["cache_train_mib"] * 2**20 < 512 * 3300
-    assert 256 * 3072 <= run_info.data.metrics["cache_valid_mib"] * 2**20 < 256 * 3300
-    assert 0 < run_info.data.metrics["cache_train_s"] < elapsed
-
-    artifacts = {a.path for a in client.list_artifacts(run_info.info.run_id)}
-    assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
-    config = OmegaConf.load(client.download_artifacts(run_info.info.run_id, "config.yaml", str(tmp_path)))
+    assert {"config.yaml", "model", "learning_curve.png"} <= {
+        a.path for a in cli_run.client.list_artifacts(run.info.run_id)
+    }
+    config = OmegaConf.load(cli_run.client.download_artifacts(run.info.run_id, "config.yaml", str(cli_run.root)))
     assert config.model.num_layers == 2 and config.train.epochs == 2
-    logged = torch.load(
-        client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
-    )
 
-    storage = tmp_path / "run" / "checkpoints" / run_info.info.run_id  # each run's own, by its MLflow id
-    assert run_info.data.tags["pipeline.storage"] == str(storage)
-    checkpoints = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
-    assert len(checkpoints) == 2
-    last = torch.load(checkpoints[-1], weights_only=True)
-    assert last["epoch"] == 1 and {"model", "optimizer"} <= last.keys()
-    assert last["model"].keys() == logged.keys()
-    assert all(torch.equal(last["model"][k], logged[k]) for k in logged)
 
-    reports = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.slow
+def test_every_epoch_is_logged_once_with_the_figures_the_workers_reported(cli_run):
+    run, client = cli_run.run, cli_run.client
+    for metric in METRICS:
+        history = client.get_metric_history(run.info.run_id, metric)
+        assert sorted(m.step for m in history) == [0, 1], metric
+    reports = [json.loads(line) for line in (cli_run.root / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["ranks"][0]["epoch"] for r in reports] == [0, 1]
+    for metric in ("val_accuracy", "val_loss", "train_loss"):  # MLflow holds what rank 0 reported, exactly
+        assert run.data.metrics[metric] == reports[-1]["ranks"][0][metric], metric
+    assert run.data.metrics["val_rows"] == 256 and run.data.metrics["train_rows"] == 512
+    startup = client.get_metric_history(run.info.run_id, "startup_s")  # command to first training step
+    assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < cli_run.elapsed
+    # between epochs: rank 0's batch loss every 2 steps (4 steps an epoch), at the global step
+    steps = client.get_metric_history(run.info.run_id, "train_loss_step")
+    assert sorted(m.step for m in steps) == [2, 4, 6, 8] and all(0 < m.value < 10 for m in steps)
+
+
+@pytest.mark.slow
+def test_ddp_replicas_stay_identical_and_agree_on_validation(cli_run):
+    reports = [json.loads(line) for line in (cli_run.root / "run" / "metrics.jsonl").read_text().splitlines()]
     for report in reports:
         rank0, rank1 = report["ranks"]
         assert (rank0["rank"], rank1["rank"]) == (0, 1)
-        assert rank0["weights_sha256"] == rank1["weights_sha256"]  # DDP replicas stayed identical
+        assert rank0["weights_sha256"] == rank1["weights_sha256"]
         assert rank0["val_accuracy"] == rank1["val_accuracy"] and rank0["val_loss"] == rank1["val_loss"]
 
-    # the predict stage takes the newest finished run's logged model over the validation split: the same
-    # weights on the same rows, so the same accuracy; an MLflow run nested under the training run
-    result = run_cli(["+experiment=smoke", "stage=predict", "hydra.run.dir=predict"], tmp_path, data_root)
-    assert result.returncode == 0, result.stdout + result.stderr
+
+@pytest.mark.slow
+def test_system_metrics_and_the_data_wait_are_recorded(cli_run):
+    metrics, output = cli_run.run.data.metrics, cli_run.output
+    assert 0.0 < metrics["data_wait_fraction"] < 1.0  # waited for some batches, not only waited
+    assert 0 < metrics["system/cpu_utilization_percentage"] <= 100  # MLflow's own, once a second
+    assert metrics["system/system_memory_usage_megabytes"] > 0
+    # any wait is above a limit of 0: the console's epoch line and the run say so, naming the setting
+    assert "above tracking.data_wait_warning=0" in output and "raise scaling.data_cpus" in output
+    assert cli_run.run.data.tags["pipeline.data_wait"].startswith("epoch 2: data_wait ")
+
+
+@pytest.mark.slow
+def test_the_ingest_cache_holds_each_split_decoded_once(cli_run):
+    metrics = cli_run.run.data.metrics
+    assert "ingest: cached in Ray's object store: train 512 rows, 1.5 MiB in " in cli_run.output
+    assert cli_run.run.data.tags["pipeline.cache"].startswith("cached in Ray's object store: train 512 rows")
+    assert 512 * 3072 <= metrics["cache_train_mib"] * 2**20 < 512 * 3300
+    assert 256 * 3072 <= metrics["cache_valid_mib"] * 2**20 < 256 * 3300
+    assert 0 < metrics["cache_train_s"] < cli_run.elapsed
+
+
+@pytest.mark.slow
+def test_each_epoch_leaves_a_checkpoint_and_the_last_is_the_logged_model(cli_run):
+    run, client = cli_run.run, cli_run.client
+    logged = torch.load(
+        client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(cli_run.root)), weights_only=True
+    )
+    storage = cli_run.root / "run" / "checkpoints" / run.info.run_id  # each run's own, by its MLflow id
+    assert run.data.tags["pipeline.storage"] == str(storage)
+    checkpoints = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
+    assert [torch.load(c, weights_only=True)["epoch"] for c in checkpoints] == [0, 1]
+    last = torch.load(checkpoints[-1], weights_only=True)
+    assert {"model", "optimizer"} <= last.keys() and last["model"].keys() == logged.keys()
+    assert all(torch.equal(last["model"][k], logged[k]) for k in logged)
+
+
+@pytest.mark.slow
+def test_predict_takes_the_newest_runs_model_and_matches_its_accuracy(cli_run):
+    """The same weights on the same rows give the same accuracy; an MLflow run nested under the training run."""
+    run, client = cli_run.run, cli_run.client
     for noise in ("will hang", "Progress bars disabled", "Traceback"):  # the console keeps to our lines
-        assert noise not in result.stdout + result.stderr, noise
-    (predicted,) = client.search_runs([experiment.experiment_id], filter_string="tags.`pipeline.stage` = 'predict'")
-    assert predicted.info.status == "FINISHED" and predicted.info.run_name == f"predict: {run_info.info.run_name}"
-    assert predicted.data.tags["mlflow.parentRunId"] == run_info.info.run_id
-    table = pq.read_table(tmp_path / "predict" / "predictions")
+        assert noise not in cli_run.predict_output, noise
+    (predicted,) = client.search_runs([run.info.experiment_id], filter_string="tags.`pipeline.stage` = 'predict'")
+    assert predicted.info.status == "FINISHED" and predicted.info.run_name == f"predict: {run.info.run_name}"
+    assert predicted.data.tags["mlflow.parentRunId"] == run.info.run_id
+    table = pq.read_table(cli_run.root / "predict" / "predictions")
     assert table.column_names == ["path", "prediction", "confidence", "label"]
     accuracy = float((table["prediction"].to_numpy() == table["label"].to_numpy()).mean())
-    assert predicted.data.metrics["predict_rows"] == table.num_rows == run_info.data.metrics["val_rows"] == 256
+    assert predicted.data.metrics["predict_rows"] == table.num_rows == run.data.metrics["val_rows"] == 256
     assert predicted.data.metrics["predict_accuracy"] == pytest.approx(accuracy)
-    assert accuracy == pytest.approx(run_info.data.metrics["val_accuracy"], abs=2 / 256)  # batch-size rounding
+    assert accuracy == pytest.approx(run.data.metrics["val_accuracy"], abs=2 / 256)  # batch-size rounding
 
 
 @pytest.mark.slow
@@ -204,12 +254,10 @@ def leftover_actors(timeout_s: float = 30.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         alive = []
-        for pid in descendants(os.getpid()):
-            try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:  # the process ended while we looked
-                continue
-            alive += [title for name in names if title.startswith(f"ray::{name}")]
+        for process in descendants(os.getpid()):
+            with contextlib.suppress(psutil.Error):  # the process ended while we looked
+                title = " ".join(process.cmdline())
+                alive += [title for name in names if title.startswith(f"ray::{name}")]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(1)
