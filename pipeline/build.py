@@ -1,7 +1,7 @@
 """One training job, built on the driver in the order its parts depend on each other: where it sits
 (:class:`Job`), its checked sources (here), its datasets (:func:`pipeline.preprocess.training_data`),
 its checkpoint storage (:func:`pipeline.filesystems.run_storage`), the weights it starts from
-(:func:`pipeline.finetune.start_weights`), then training
+(:func:`start_weights`), then training
 (:func:`pipeline.trainer.fit`). A run (``run.py``) and a Tune trial (``trial.py``, in a trial actor)
 both build theirs with these functions.
 """
@@ -9,11 +9,13 @@ both build theirs with these functions.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pipeline import source
+from pipeline import finetune, source
 from pipeline.config import active_steps, check_values
+from pipeline.errors import PipelineError
 
 
 @dataclass
@@ -51,3 +53,20 @@ def sources(cfg: dict) -> dict[str, source.Split]:
 def transform_cpus(splits: dict[str, source.Split]) -> float:
     """The most CPUs one transform step of the job asks for (0 without steps)."""
     return max((s["num_cpus"] for split in splits.values() for s in split.steps.values()), default=0)
+
+
+def start_weights(cfg: dict) -> finetune.Initial | None:
+    """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
+    MLflow model is downloaded from the job's store first."""
+    from pipeline import models, runs  # MLflow's imports, only for a job that starts from weights
+
+    weights = cfg["finetune"]["weights"]
+    with tempfile.TemporaryDirectory() as tmp:
+        files = None
+        if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
+            client, _ = runs.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+            try:
+                files = models.model_weights(client, weights, tmp)
+            except PipelineError as err:
+                raise PipelineError(f"finetune.weights: {err}") from err
+        return finetune.initial_weights(cfg["model"], cfg["finetune"], files)

@@ -45,6 +45,7 @@ def check_overrides(args: list[str]) -> None:
     texts = [a for a in args if "=" in a and not a.startswith("-")]
     if any(t.startswith("hydra.searchpath") for t in texts):
         return  # groups may come from elsewhere
+    conf_dirs = [Path(CONF_DIR), *user_conf_dirs(args)]
     try:
         overrides = OverridesParser.create().parse_overrides(texts)
     except OverrideParseException:
@@ -52,8 +53,8 @@ def check_overrides(args: list[str]) -> None:
     for override in overrides:
         if override.is_delete() or override.package is not None or override.key_or_group.startswith("hydra"):
             continue
-        if (Path(CONF_DIR) / override.key_or_group).is_dir():
-            check_group(override)
+        if any((d / override.key_or_group).is_dir() for d in conf_dirs):
+            check_group(override, conf_dirs)
         elif not override.is_add():
             check_key(override)
 
@@ -64,10 +65,22 @@ def values(override: Override) -> list:
     return [] if override.is_sweep_override() else [override.value()]
 
 
-def check_group(override: Override) -> None:
-    """``GROUP=OPTION``: OPTION is a file of ``conf/GROUP``; null is not (a group is dropped with ``~GROUP``)."""
-    group, directory = override.key_or_group, Path(CONF_DIR) / override.key_or_group
-    options = sorted(p.stem for p in directory.glob("*.yaml"))
+def user_conf_dirs(args: list[str]) -> list[Path]:
+    """The directories ``--config-dir DIR`` (``-cd DIR``, ``--config-dir=DIR``) adds to Hydra's search path."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            found.append(Path(args[i + 1]))
+        elif arg.startswith("--config-dir="):
+            found.append(Path(arg.split("=", 1)[1]))
+    return found
+
+
+def check_group(override: Override, conf_dirs: list[Path]) -> None:
+    """``GROUP=OPTION``: OPTION is a file of ``conf/GROUP`` (or of a ``--config-dir``'s); null is not (a group
+    is dropped with ``~GROUP``)."""
+    group = override.key_or_group
+    options = sorted({p.stem for d in conf_dirs for p in (d / group).glob("*.yaml")})
     for value in values(override):
         if value is None:
             raise PipelineError(

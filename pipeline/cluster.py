@@ -86,7 +86,7 @@ def local_cpus(scaling: dict) -> int:
     waits for its batches keeps its reserved core idle; with them preprocessing may use every core, as a
     DataLoader's worker processes do beside their training process, and one task more, since its tasks
     wait on Ray's object store part of the time. When training is the bound, the OS shares the cores
-    between both: ``data_wait_fraction`` shows which way an epoch went (README, Performance)."""
+    between both: ``data_wait_fraction`` shows which way an epoch went (docs/performance.md)."""
     training = scaling["num_workers"] * scaling["resources_per_worker"].get("CPU", 0.0)
     return (os.cpu_count() or 1) + math.ceil(training) + 1
 

@@ -1,7 +1,8 @@
 """Runs on the driver while ``fit()`` runs: the workers' events, taken off a Ray queue by a helper
-thread and handed to an :class:`EventHandler`: a job's :class:`Handler` (progress to the console, each
-epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both) or a Tune
-trial's (``trial.py``).
+thread and handed to an :class:`EventHandler`: a job's (:class:`pipeline.run.JobEvents`: progress to the
+console, each epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both)
+or a Tune trial's (:class:`pipeline.trial.TrialEvents`). This module never sees MLflow: Ray Train's
+controller unpickles :class:`ReportRelay` from it, and MLflow's imports would delay every run's start.
 
 The events are the dataclasses of :mod:`pipeline.messages`: ``WorkerStarted``, ``StepTaken`` and
 ``CheckpointRestored`` from :mod:`pipeline.worker`; ``EpochReported`` from :class:`ReportRelay` in Ray
@@ -10,25 +11,18 @@ Train's controller.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import threading
 from contextlib import contextmanager, suppress
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import ray.train
 from ray.exceptions import RayError
 from ray.util.queue import Empty, Queue
 
-from pipeline import console
 from pipeline.errors import PipelineError
 from pipeline.messages import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 from pipeline.metrics import is_task_metric
-
-if TYPE_CHECKING:  # not imported at run time: Ray Train's controller unpickles ReportRelay from this module,
-    from pipeline.tracking import Tracker  # and MLflow's and torch's imports would delay every run's start
 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
 # so a short wait costs CPU all run long; the end of a run wakes the thread at once with a None.
@@ -57,39 +51,6 @@ class ReportRelay(ray.train.UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         self.events.put(EpochReported(metrics, checkpoint.path if checkpoint else None))
-
-
-class Handler:
-    """What the driver does with each worker event."""
-
-    def __init__(self, tracker: Tracker, run_dir: str, progress: console.Progress):
-        self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
-
-    def step_taken(self, event: StepTaken) -> None:
-        self.tracker.log_startup(event.at, event.epoch)
-        if event.log:
-            self.tracker.log_step_loss(event.loss, event.global_step)
-        self.progress.update(event.epoch, event.step, event.loss)
-
-    def worker_started(self, event: WorkerStarted) -> None:
-        self.append("workers.jsonl", asdict(event))
-
-    def epoch_reported(self, event: EpochReported) -> None:
-        ranks = checked_ranks(event)
-        self.append("metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": ranks})
-        self.tracker.log_epoch(ranks[0], event.checkpoint)
-        self.progress.epoch_done(ranks[0])
-
-    def checkpoint_restored(self, event: CheckpointRestored) -> None:
-        self.tracker.log_restore(event.epoch)
-        self.progress.restored(event.epoch)
-
-    def append(self, name: str, record: dict) -> None:
-        with open(os.path.join(self.run_dir, name), "a") as out:
-            out.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self.progress.close()
 
 
 def checked_ranks(report: EpochReported) -> list[dict]:

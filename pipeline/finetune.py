@@ -1,7 +1,7 @@
 """Where training starts and what of the model trains (the ``finetune`` section).
 
 On the driver, before Ray starts, :func:`initial_weights` reads ``finetune.weights`` (a torchvision
-weight name, a file, or an MLflow model that :func:`start_weights` downloads) as tensors
+weight name, a file, or an MLflow model that :func:`pipeline.build.start_weights` downloads) as tensors
 only, and matches it to the configured model: every parameter must fit, except the head's, which start
 fresh where their shape differs (another class count). A mismatch fails there, naming the parameter. In
 each training worker, :func:`build_model` loads what was matched and freezes ``finetune.freeze``, and
@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import tempfile
 import urllib.error
 from dataclasses import dataclass
 
@@ -42,23 +41,6 @@ class Initial:
 
 
 # ---- on the driver ----------------------------------------------------------------------------------
-
-
-def start_weights(cfg: dict) -> Initial | None:
-    """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
-    MLflow model is downloaded from the job's store first."""
-    from pipeline import models, runs  # the driver's: workers, which import this module, never import MLflow
-
-    weights = cfg["finetune"]["weights"]
-    with tempfile.TemporaryDirectory() as tmp:
-        files = None
-        if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
-            client, _ = runs.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
-            try:
-                files = models.model_weights(client, weights, tmp)
-            except PipelineError as err:
-                raise PipelineError(f"finetune.weights: {err}") from err
-        return initial_weights(cfg["model"], cfg["finetune"], files)
 
 
 def initial_weights(model_cfg: dict, finetune: dict, files: str | None = None) -> Initial | None:

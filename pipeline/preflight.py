@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from pipeline import build, cluster, finetune, predict, runs, source
+from pipeline import build, cluster, predict, runs, source
 from pipeline.config import check_targets
 from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
@@ -32,7 +32,7 @@ def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
         splits = build.sources(cfg)
         if cfg["train"]["evaluate"]:  # the rows evaluation scores after training
             predict.prediction_split(cfg, evaluating=True)
-        initial = finetune.start_weights(cfg)
+        initial = build.start_weights(cfg)
         storage = cfg["storage"]["path"]
         if storage is not None:
             make_dir(storage, cfg["storage"]["s3"], "storage.path")

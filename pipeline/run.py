@@ -8,11 +8,13 @@ records them as a FAILED child run, so the sweep shows every job it tried.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 from ray.exceptions import RayError
 
@@ -31,6 +33,7 @@ from pipeline import (
 )
 from pipeline.build import Job
 from pipeline.errors import PipelineError, redact
+from pipeline.messages import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 from pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ def run(cfg: dict, job: Job) -> dict:
             tracker.set_storage(storage)
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
             progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
-            result = trainer.fit(cfg, data, storage, events.Handler(tracker, job.run_dir, progress), initial)
+            result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
@@ -134,3 +137,36 @@ def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> di
     if not drop_last:
         expected["train_rows"] = rows["train"] - dropped
     return expected
+
+
+class JobEvents:
+    """What a training job's driver does with each worker event (an :class:`pipeline.events.EventHandler`)."""
+
+    def __init__(self, tracker: Tracker, run_dir: str, progress: console.Progress):
+        self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
+
+    def step_taken(self, event: StepTaken) -> None:
+        self.tracker.log_startup(event.at, event.epoch)
+        if event.log:
+            self.tracker.log_step_loss(event.loss, event.global_step)
+        self.progress.update(event.epoch, event.step, event.loss)
+
+    def worker_started(self, event: WorkerStarted) -> None:
+        self.append("workers.jsonl", asdict(event))
+
+    def epoch_reported(self, event: EpochReported) -> None:
+        ranks = events.checked_ranks(event)
+        self.append("metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": ranks})
+        self.tracker.log_epoch(ranks[0], event.checkpoint)
+        self.progress.epoch_done(ranks[0])
+
+    def checkpoint_restored(self, event: CheckpointRestored) -> None:
+        self.tracker.log_restore(event.epoch)
+        self.progress.restored(event.epoch)
+
+    def append(self, name: str, record: dict) -> None:
+        with open(os.path.join(self.run_dir, name), "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.progress.close()

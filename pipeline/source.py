@@ -285,8 +285,8 @@ def read(split: Split, columns: list[str], source: dict, placement: dict | None 
     Ray options (custom resources, node labels) for the read tasks. ``source.limit`` caps the rows.
 
     ``source.task_per_file``: one read task per file, its rows never split into more blocks than
-    files, so Ray Data can fuse the read with transforms that take whole blocks (faster: README,
-    Performance); off, Ray splits them, for clusters with far more CPUs than files."""
+    files, so Ray Data can fuse the read with transforms that take whole blocks (faster:
+    docs/performance.md); off, Ray splits them, for clusters with far more CPUs than files."""
     import ray.data
 
     ray.data.DataContext.get_current().use_datasource_v2 = source["reader_v2"]

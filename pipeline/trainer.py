@@ -110,7 +110,7 @@ def fit(
     initial: Initial | None = None,
     callbacks: tuple = (),
 ) -> ray.train.Result:
-    """Train to the end, handing every worker event to ``handler`` (:class:`pipeline.events.Handler` for
+    """Train to the end, handing every worker event to ``handler`` (:class:`pipeline.run.JobEvents` for
     a job; a Tune trial's own, see ``trial.py``); a worker or controller failure becomes one PipelineError
     naming its cause. ``initial``: the weights training starts from (None: random ones). ``callbacks``:
     more Ray Train callbacks (a Tune trial's TuneReportCallback)."""

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from pipeline import build, events, filesystems, finetune, messages, preprocess, trainer
+from pipeline import build, events, filesystems, messages, preprocess, trainer
 
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
 
@@ -41,7 +41,7 @@ def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> Non
     with preprocess.training_data(cfg, build.sources(cfg)) as data:
         trial_id = tune.get_context().get_trial_id()
         storage = filesystems.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
-        initial = finetune.start_weights(cfg)  # read where the trial runs: any node of the cluster
+        initial = build.start_weights(cfg)  # read where the trial runs: any node of the cluster
         trainer.fit(cfg, data, storage, TrialEvents(), initial, callbacks=(TuneReportCallback(),))
 
 

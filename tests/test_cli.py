@@ -95,3 +95,12 @@ def test_well_typed_arguments_pass():
 )
 def test_accepts_follows_how_a_value_reaches_its_target(value, hint, strict, expected):
     assert accepts(value, hint, strict) is expected
+
+
+def test_a_users_config_dir_adds_its_options(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n")
+    check_overrides(["--config-dir", str(tmp_path), "+experiment=mine"])
+    check_overrides([f"--config-dir={tmp_path}", "+experiment=smoke"])  # the shipped ones stay
+    with pytest.raises(PipelineError, match="experiment has no option 'mien'. Did you mean mine?"):
+        check_overrides(["-cd", str(tmp_path), "+experiment=mien"])

@@ -17,7 +17,7 @@ import torch
 from conftest import compose_cfg
 from mlflow import MlflowClient
 
-from pipeline import finetune, models, predict, preflight
+from pipeline import build, finetune, models, predict, preflight
 from pipeline.build import Job
 from pipeline.errors import PipelineError
 from pipeline.run import run
@@ -202,7 +202,7 @@ def test_a_run_checkpoint_and_a_state_dict_file_give_the_same_start_with_a_fresh
     starts = {}
     for weights in (str(checkpoint), str(checkpoint / "checkpoint.pt"), f"runs:/{version.run_id}/model"):
         cfg = table_config(root / "four", root / "outputs", 3, [f"finetune.weights={weights}"])
-        starts[weights] = finetune.start_weights(cfg)
+        starts[weights] = build.start_weights(cfg)
         assert starts[weights].fresh == ["6.bias", "6.weight"]  # 3 classes here, 4 there
         assert sorted(starts[weights].state) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     last = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["model"]
@@ -226,7 +226,7 @@ def test_torchvision_weights_without_network_fail_before_ray_starts_naming_the_f
     import torchvision
 
     torch.save(torchvision.models.resnet18().state_dict(), cached)
-    initial = finetune.start_weights(cfg)
+    initial = build.start_weights(cfg)
     assert initial.fresh == ["fc.bias", "fc.weight"] and "conv1.weight" in initial.state  # 10 classes, not 1000
 
 
@@ -245,7 +245,7 @@ def test_weights_and_patterns_that_do_not_fit_fail_naming_the_key(tmp_path, sett
     overrides = [f"finetune.{key}={value}" for key, value in settings.items()]
     cfg = compose_cfg(["+experiment=wine_mlp", f"paths.outputs={tmp_path}", *overrides])
     with pytest.raises(PipelineError) as raised:
-        finetune.start_weights(cfg)
+        build.start_weights(cfg)
     assert message in str(raised.value)
 
 
@@ -253,7 +253,7 @@ def test_weights_of_another_model_fail_naming_the_parameters_that_differ(tmp_pat
     torch.save(torch.nn.Linear(13, 64).state_dict(), tmp_path / "linear.pt")
     cfg = compose_cfg(["+experiment=wine_mlp", f"finetune.weights={tmp_path / 'linear.pt'}"])
     with pytest.raises(PipelineError) as raised:
-        finetune.start_weights(cfg)
+        build.start_weights(cfg)
     assert "weight is not in the model" in str(raised.value) and "0.weight is missing there" in str(raised.value)
     assert "Only the head (6.bias, 6.weight; finetune.head sets it) may differ" in str(raised.value)
 

@@ -104,14 +104,14 @@ class TrainConfig:
 
 @dataclass
 class FinetuneConfig:
-    """Where training starts and what of the model trains (README, "Fine-tuning"); weights are read on the
+    """Where training starts and what of the model trains (docs/models.md, "Fine-tuning"); weights are read on the
     driver before Ray starts, as tensors only."""
 
     # null: random weights. Else a torchvision weight name for model._target_ (IMAGENET1K_V1, DEFAULT), a
     # state dict or checkpoint.pt file, or an MLflow model: runs:/RUN_ID/model, models:/NAME@ALIAS, models:/NAME/1
     weights: Optional[str] = None
     # parameter-name patterns (fnmatch) of the head, which starts fresh where its shape differs from the
-    # weights' (another class count); empty: the model's last layer with parameters (README names it)
+    # weights' (another class count); empty: the model's last layer with parameters (docs/models.md names it)
     head: list[str] = field(default_factory=list)
     freeze: list[str] = field(default_factory=list)  # parameter-name patterns kept as loaded, e.g. "conv1.*"
     # the rest of the model (the backbone) learns at this fraction of the head's rate (optim.lr, the schedule's)
@@ -145,7 +145,7 @@ class IngestConfig:
     # training device; null: features reach the model as they are
     normalize: Optional[NormalizeConfig] = field(default_factory=NormalizeConfig)  # (uint8 features only)
     # each row in a new seeded order every epoch, whatever the file layout (class-sorted files included);
-    # costs some ingest speed (README, Performance)
+    # costs some ingest speed (docs/performance.md)
     shuffle: bool = True
     # run each split's deterministic steps (decoding, resizing: see TransformSpec.cache) once and keep their
     # output in Ray's object store, so later epochs run only the random steps: auto (on when the estimate,
@@ -188,7 +188,7 @@ class TrackingConfig:
 class RayConfig:
     address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"  # null: a local runtime; auto, HOST:PORT, ray://...
     # logical CPUs of a local runtime; null: the machine's cores plus the training workers' CPUs, so
-    # preprocessing may use the cores a waiting worker leaves idle (data_wait_fraction judges: README)
+    # preprocessing may use the cores a waiting worker leaves idle (data_wait_fraction judges: docs/performance.md)
     num_cpus: Optional[int] = None
     object_store_memory: Optional[int] = None  # bytes, a local runtime's; null: Ray's default (30% of RAM)
     py_modules: list[str] = field(default_factory=lambda: ["pipeline", "transforms"])  # shipped to a cluster
