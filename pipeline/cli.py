@@ -12,7 +12,6 @@ benchmarks.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 
-from pipeline.config import CONF_DIR, PipelineConfig, accepts, describe, register, unwrap_optional
+from pipeline.config import CONF_DIR, PipelineConfig, accepts, closest, describe, register, unwrap_optional
 from pipeline.errors import PipelineError
 
 
@@ -110,11 +109,3 @@ def check_key(override: Override) -> None:
     for value in values(override):
         if not accepts(value, hints[part]):
             raise PipelineError(f"{override.key_or_group}: expected {describe(hints[part])}, got {value!r}.")
-
-
-def closest(name: str, names: list[str]) -> str:
-    """`` Did you mean X?`` for the nearest of ``names``, else the whole list."""
-    near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-    if near:
-        return f" Did you mean {' or '.join(near)}?"
-    return f" Valid: {', '.join(names)}."

@@ -104,3 +104,11 @@ def test_a_users_config_dir_adds_its_options(tmp_path):
     check_overrides([f"--config-dir={tmp_path}", "+experiment=smoke"])  # the shipped ones stay
     with pytest.raises(PipelineError, match="experiment has no option 'mien'. Did you mean mine?"):
         check_overrides(["-cd", str(tmp_path), "+experiment=mien"])
+
+
+def test_a_key_added_with_plus_names_the_closest_valid_one():
+    from pipeline.cli import compose
+    from pipeline.config import validate
+
+    with pytest.raises(PipelineError, match=r"train.epoch: unknown key\. train takes: .*\. Did you mean epochs\?"):
+        validate(compose(["+experiment=smoke", "+train.epoch=3"]))

@@ -1,7 +1,7 @@
 """The config: its schema (:mod:`.schema`), the checks of a composed config (:mod:`.checks`) and of its
 pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
 
-from pipeline.config.checks import active_steps, check_targets, check_values, unwrap_optional, validate
+from pipeline.config.checks import active_steps, check_targets, check_values, closest, unwrap_optional, validate
 from pipeline.config.schema import CONF_DIR, PipelineConfig, TransformSpec, register
 from pipeline.config.targets import accepts, check_target, describe
 
@@ -14,6 +14,7 @@ __all__ = [
     "check_target",
     "check_targets",
     "check_values",
+    "closest",
     "describe",
     "register",
     "unwrap_optional",

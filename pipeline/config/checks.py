@@ -6,6 +6,7 @@ on the driver before Ray starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from typing import Any
 
@@ -38,7 +39,8 @@ def check_keys(node: dict, schema: type, path: str = "") -> None:
     for key, value in node.items():
         if key not in hints:
             allowed = ", ".join(f.name for f in dataclasses.fields(schema))
-            raise PipelineError(f"{path}{key}: unknown key. {path.rstrip('.') or 'The config'} takes: {allowed}.")
+            section, near = path.rstrip(".") or "The config", closest(key, list(hints), listed=False)
+            raise PipelineError(f"{path}{key}: unknown key. {section} takes: {allowed}.{near}")
         hint = unwrap_optional(hints[key])
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             check_keys(value, hint, f"{path}{key}.")
@@ -203,3 +205,11 @@ def check_values(cfg: dict) -> None:
         predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
         "predict.batch_size and predict.concurrency must be >= 1.",
     )
+
+
+def closest(name: str, names: list[str], listed: bool = True) -> str:
+    """`` Did you mean X?`` for the nearest of ``names``; else the whole list (``listed``) or nothing."""
+    near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    if near:
+        return f" Did you mean {' or '.join(near)}?"
+    return f" Valid: {', '.join(names)}." if listed else ""
