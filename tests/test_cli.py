@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cli import check_overrides
-from pipeline.config import accepts, check_target
+from pipeline.cli import check_overrides, compose
+from pipeline.config import accepts, check_target, validate
 from pipeline.errors import PipelineError
 
 
@@ -107,8 +107,5 @@ def test_a_users_config_dir_adds_its_options(tmp_path):
 
 
 def test_a_key_added_with_plus_names_the_closest_valid_one():
-    from pipeline.cli import compose
-    from pipeline.config import validate
-
     with pytest.raises(PipelineError, match=r"train.epoch: unknown key\. train takes: .*\. Did you mean epochs\?"):
         validate(compose(["+experiment=smoke", "+train.epoch=3"]))
