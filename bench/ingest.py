@@ -43,6 +43,8 @@ import torch
 from hydra.utils import instantiate
 from report import data_dir, pipeline_run, table, write
 
+from pipeline.config import PipelineConfig
+
 BENCH = Path(__file__).resolve().parent
 EPOCHS = 3
 COMMON = [
@@ -80,14 +82,16 @@ def sorted_copy(root: Path) -> Path:
     return root
 
 
-def model_alone(cfg: dict, images: torch.Tensor, labels: torch.Tensor, steps: int = 100, repeats: int = 5) -> int:
+def model_alone(
+    cfg: PipelineConfig, images: torch.Tensor, labels: torch.Tensor, steps: int = 100, repeats: int = 5
+) -> int:
     """Samples/s of the model's training step on one batch held in memory, on one thread (the training
     worker's share), the best of ``repeats`` (the plain loop's workers may still be exiting): the most
     either side could reach if feeding cost nothing."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = instantiate(cfg["model"], _convert_="all")
-    optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()

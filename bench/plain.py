@@ -19,6 +19,8 @@ from hydra.utils import instantiate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
+from pipeline.config import NormalizeConfig, PipelineConfig
+
 WORKERS = os.cpu_count() or 2  # one per core: the fastest here
 
 
@@ -39,11 +41,11 @@ class ParquetImages(torch.utils.data.Dataset):
         return self.transform(decode_jpeg(encoded, mode=ImageReadMode.RGB)), self.labels[i]
 
 
-def augmentation(cfg: dict, split: str) -> v2.Compose:
+def augmentation(cfg: PipelineConfig, split: str) -> v2.Compose:
     """torchvision's equivalents of the config's steps for ``split`` (those it keeps)."""
     out = []
-    for step in filter(None, cfg["transforms"][split].values()):
-        fn, target = step["fn"], step["fn"]["_target_"]
+    for step in cfg.transforms.active(split).values():
+        fn, target = step.fn, step.fn["_target_"]
         if target == "transforms.random_crop":
             out.append(v2.RandomCrop(fn["size"], padding=fn["padding"]))
         elif target == "transforms.random_resized_crop":
@@ -75,10 +77,10 @@ class LeanCropFlip:
 class Normalized:
     """A DataLoader's batches with the images normalized here, in the consuming process."""
 
-    def __init__(self, loader: torch.utils.data.DataLoader, normalize: dict):
+    def __init__(self, loader: torch.utils.data.DataLoader, normalize: NormalizeConfig):
         self.loader = loader
-        self.mean = torch.tensor(normalize["mean"]).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(normalize["std"]).view(1, -1, 1, 1) * 255
+        self.mean = torch.tensor(normalize.mean).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(normalize.std).view(1, -1, 1, 1) * 255
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -89,41 +91,41 @@ class Normalized:
 
 
 def loader(
-    cfg: dict, split: str, training: bool, lean: bool = False, shuffle: bool = False
+    cfg: PipelineConfig, split: str, training: bool, lean: bool = False, shuffle: bool = False
 ) -> Normalized | torch.utils.data.DataLoader:
     """A DataLoader(num_workers=2, persistent_workers) over one split (``source.train``/``source.valid``)
     with the config's batch size and normalization (none: uint8 batches); ``lean`` for the hand-written
     CIFAR crop + flip; ``shuffle``: a new order each epoch (a permutation of indices: free)."""
-    steps = cfg["transforms"]["train"]
+    steps = cfg.transforms.active("train")
     if training and lean:
-        transform = LeanCropFlip((steps.get("crop") or {}).get("fn"), bool(steps.get("flip")))
+        transform = LeanCropFlip(steps["crop"].fn if "crop" in steps else None, "flip" in steps)
     else:
         transform = augmentation(cfg, "train" if training else "valid")
-    dataset = ParquetImages(cfg["source"][split], transform)
+    dataset = ParquetImages(getattr(cfg.source, split), transform)
     batches = torch.utils.data.DataLoader(
-        dataset, batch_size=cfg["ingest"]["batch_size"], shuffle=shuffle, num_workers=WORKERS, persistent_workers=True
+        dataset, batch_size=cfg.ingest.batch_size, shuffle=shuffle, num_workers=WORKERS, persistent_workers=True
     )
-    return Normalized(batches, cfg["ingest"]["normalize"]) if cfg["ingest"]["normalize"] else batches
+    return Normalized(batches, cfg.ingest.normalize) if cfg.ingest.normalize else batches
 
 
-def train(cfg: dict, lean: bool, shuffle: bool = False, device: str = "cpu") -> dict:
+def train(cfg: PipelineConfig, lean: bool, shuffle: bool = False, device: str = "cpu") -> dict:
     """The config's training in this process, fed by :func:`loader`: the model, optimizer, schedule, seed,
     batch size, epochs and mixed precision (``train.amp``, on CUDA) of ``cfg``, on ``device``. Per epoch:
     samples/s of the training loop, the share of it spent waiting for the next batch (as the pipeline's
     ``data_wait_fraction``), and validation accuracy."""
-    torch.manual_seed(cfg["train"]["seed"])
-    if cfg["scaling"]["torch_threads"]:
-        torch.set_num_threads(cfg["scaling"]["torch_threads"])
-    model = instantiate(cfg["model"], _convert_="all").to(device)
-    amp = cfg["train"]["amp"] and device.startswith("cuda")  # bfloat16 needs no GradScaler
-    autocast = torch.autocast("cuda", dtype=getattr(torch, cfg["train"]["amp_dtype"]), enabled=amp)
-    optimizer = instantiate(cfg["optim"], params=model.parameters(), _convert_="all")
+    torch.manual_seed(cfg.train.seed)
+    if cfg.scaling.torch_threads:
+        torch.set_num_threads(cfg.scaling.torch_threads)
+    model = instantiate(cfg.model, _convert_="all").to(device)
+    amp = cfg.train.amp and device.startswith("cuda")  # bfloat16 needs no GradScaler
+    autocast = torch.autocast("cuda", dtype=getattr(torch, cfg.train.amp_dtype), enabled=amp)
+    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     train_batches = loader(cfg, "train", True, lean=lean, shuffle=shuffle)
     valid_batches = loader(cfg, "valid", False)
-    epochs, scheduler = cfg["train"]["epochs"], None
-    if cfg["scheduler"] is not None:
+    epochs, scheduler = cfg.train.epochs, None
+    if cfg.scheduler is not None:
         total = epochs * len(train_batches)
-        scheduler = instantiate(cfg["scheduler"], optimizer=optimizer, total_steps=total, _convert_="all")
+        scheduler = instantiate(cfg.scheduler, optimizer=optimizer, total_steps=total, _convert_="all")
     figures = {"samples_s": [], "data_wait_fraction": [], "val_accuracy": []}
     for _ in range(epochs):
         model.train()

@@ -26,6 +26,8 @@ from pathlib import Path
 import plain
 from report import data_dir, pipeline_run, table, write
 
+from pipeline.config import PipelineConfig
+
 EXPERIMENT = ["+experiment=cifar_vit_cpu"]
 TWO_WORKERS = ["scaling.num_workers=2", "scaling.resources_per_worker.CPU=0.5", "scaling.torch_threads=1"]
 
@@ -38,7 +40,7 @@ def ray_floor() -> float:
     return json.loads(out.strip().splitlines()[-1])["startup_s"]
 
 
-def plain_loop(cfg: dict) -> dict:
+def plain_loop(cfg: PipelineConfig) -> dict:
     """The same training in one process with a DataLoader (the lean loader: the faster one for CIFAR)."""
     figures = plain.train(cfg, lean=True)
     return {"samples_s": figures["samples_s"], "val_accuracy": figures["val_accuracy"][-1]}

@@ -14,11 +14,11 @@ import time
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import pipeline
 from pipeline import cli
-from pipeline.config import register
+from pipeline.config import load, register
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float | None:
     stage = predict.run if cfg.stage in ("predict", "evaluate") else run.run
     try:
         source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
-        metrics = stage(OmegaConf.to_container(cfg, resolve=True), job)
+        metrics = stage(load(cfg), job)  # each stage gets the typed config: cfg.train.epochs
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline import finetune, source
-from pipeline.config import active_steps, check_values
+from pipeline.config import PipelineConfig, check_values
 from pipeline.errors import PipelineError
 
 
@@ -39,12 +39,12 @@ class Job:
         return cls(os.path.join(sweep_dir, str(number)), experiment, overrides, sweep_dir, run_name)
 
 
-def sources(cfg: dict) -> dict[str, source.Split]:
+def sources(cfg: PipelineConfig) -> dict[str, source.Split]:
     """The config's values checked, then its splits found and their files' footers read: every check
     that needs neither Ray nor the job's MLflow run. Each split carries its active transform steps."""
-    steps = {name: active_steps(cfg["transforms"][name]) for name in source.SPLITS}
+    steps = {name: cfg.transforms.active(name) for name in source.SPLITS}
     check_values(cfg)
-    splits = source.prepare(cfg["source"])
+    splits = source.prepare(cfg.source)
     for name, split in splits.items():
         split.steps = steps[name]
     return splits
@@ -52,21 +52,21 @@ def sources(cfg: dict) -> dict[str, source.Split]:
 
 def transform_cpus(splits: dict[str, source.Split]) -> float:
     """The most CPUs one transform step of the job asks for (0 without steps)."""
-    return max((s["num_cpus"] for split in splits.values() for s in split.steps.values()), default=0)
+    return max((s.num_cpus for split in splits.values() for s in split.steps.values()), default=0)
 
 
-def start_weights(cfg: dict) -> finetune.Initial | None:
+def start_weights(cfg: PipelineConfig) -> finetune.Initial | None:
     """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
     MLflow model is downloaded from the job's store first."""
     from pipeline import models, runs  # MLflow's imports, only for a job that starts from weights
 
-    weights = cfg["finetune"]["weights"]
+    weights = cfg.finetune.weights
     with tempfile.TemporaryDirectory() as tmp:
         files = None
         if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
-            client, _ = runs.connect(cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+            client, _ = runs.connect(cfg.tracking.uri, cfg.paths.outputs)
             try:
                 files = models.model_weights(client, weights, tmp)
             except PipelineError as err:
                 raise PipelineError(f"finetune.weights: {err}") from err
-        return finetune.initial_weights(cfg["model"], cfg["finetune"], files)
+        return finetune.initial_weights(cfg.model, cfg.finetune, files)

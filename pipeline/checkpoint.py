@@ -1,6 +1,7 @@
 """The checkpoint format, and how a model's inputs are prepared: what a training worker writes, and what
 logged models, fine-tuning and prediction read back. One module, so the writer and its readers cannot drift;
-it imports nothing of the pipeline but its errors.
+it imports nothing of the pipeline but its errors and the config sections it reads (the AMP settings, the
+pixel normalization).
 
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
@@ -14,6 +15,7 @@ import pickle
 
 import torch
 
+from pipeline.config import NormalizeConfig, TrainConfig
 from pipeline.errors import PipelineError
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -44,7 +46,7 @@ def is_checkpoint(state: dict) -> bool:
     return isinstance(state.get("model"), dict)
 
 
-def feature_scaler(normalize: dict | None, statistics: dict | None, device: torch.device):
+def feature_scaler(normalize: NormalizeConfig | None, statistics: dict | None, device: torch.device):
     """How features become the model's floats, on the device: uint8 pixels as ``normalize`` (``ingest.normalize``)
     says, float features standardized with ``statistics`` (the training split's, with ``ingest.standardize``)
     when given; anything else as it is."""
@@ -63,22 +65,22 @@ def feature_scaler(normalize: dict | None, statistics: dict | None, device: torc
     return scale
 
 
-def pixel_scaling(normalize: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pixel_scaling(normalize: NormalizeConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
-    mean = torch.tensor(normalize["mean"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    std = torch.tensor(normalize["std"], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    mean = torch.tensor(normalize.mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(normalize.std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
     return 1.0 / (255.0 * std), -mean / std
 
 
-def amp_plan(device_type: str, train: dict) -> tuple[bool, torch.dtype, bool]:
+def amp_plan(device_type: str, train: TrainConfig) -> tuple[bool, torch.dtype, bool]:
     """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
     float16 needs loss scaling, bfloat16 does not."""
-    enabled = train["amp"] and device_type == "cuda"
-    dtype = getattr(torch, train["amp_dtype"])
+    enabled = train.amp and device_type == "cuda"
+    dtype = getattr(torch, train.amp_dtype)
     return enabled, dtype, enabled and dtype == torch.float16
 
 
-def autocast_settings(device: torch.device, train: dict) -> tuple[torch.autocast, torch.amp.GradScaler]:
+def autocast_settings(device: torch.device, train: TrainConfig) -> tuple[torch.autocast, torch.amp.GradScaler]:
     """The autocast context and GradScaler that :func:`amp_plan` asks for."""
     enabled, dtype, scale = amp_plan(device.type, train)
     return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)

@@ -19,16 +19,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 
-from pipeline.config import CONF_DIR, PipelineConfig, accepts, closest, describe, register, unwrap_optional
+from pipeline.config import CONF_DIR, PipelineConfig, accepts, closest, describe, load, register, unwrap_optional
 from pipeline.errors import PipelineError
 
 
-def compose(overrides: list[str] = ()) -> dict:
-    """The resolved config as the entry point sees it (a plain dict), outside ``@hydra.main``:
-    for tests and benchmarks, which build a job's parts themselves."""
+def compose(overrides: list[str] = ()) -> PipelineConfig:
+    """The typed config as the entry point hands it to a stage, outside ``@hydra.main``: for tests and
+    benchmarks, which build a job's parts themselves."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
 
     from pipeline.source import with_classes
 
@@ -36,7 +35,7 @@ def compose(overrides: list[str] = ()) -> dict:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides))
     with_classes(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return load(cfg)
 
 
 def check_overrides(args: list[str]) -> None:

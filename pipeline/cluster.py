@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline import workarounds
+from pipeline.config import RayConfig, ScalingConfig
 from pipeline.errors import PipelineError
 from pipeline.filesystems import is_s3
 
@@ -62,15 +63,15 @@ class Runtime:
     per_worker: dict[str, float]  # scaling.resources_per_worker
 
 
-def runtime(ray_cfg: dict, scaling: dict) -> Runtime:
+def runtime(ray_cfg: RayConfig, scaling: ScalingConfig) -> Runtime:
     """The runtime ``ray.*`` and ``scaling.*`` ask for, with the project's code shipped to a cluster."""
     return Runtime(
-        address=ray_cfg["address"],
-        num_cpus=ray_cfg["num_cpus"] or local_cpus(scaling),
-        env=runtime_env(ray_cfg["address"], ray_cfg["py_modules"], ray_cfg["runtime_env"]),
-        object_store_memory=ray_cfg["object_store_memory"],
-        num_workers=scaling["num_workers"],
-        per_worker=dict(scaling["resources_per_worker"]),
+        address=ray_cfg.address,
+        num_cpus=ray_cfg.num_cpus or local_cpus(scaling),
+        env=runtime_env(ray_cfg.address, ray_cfg.py_modules, ray_cfg.runtime_env),
+        object_store_memory=ray_cfg.object_store_memory,
+        num_workers=scaling.num_workers,
+        per_worker=dict(scaling.resources_per_worker),
     )
 
 
@@ -79,7 +80,7 @@ def connect(wanted: Runtime) -> None:
     start_ray(wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
 
 
-def local_cpus(scaling: dict) -> int:
+def local_cpus(scaling: ScalingConfig) -> int:
     """A local runtime's logical CPUs: the machine's cores, plus those the training workers reserve, plus one.
 
     Ray Data's budget is what training leaves of the logical CPUs, so without the extra ones a worker that
@@ -87,7 +88,7 @@ def local_cpus(scaling: dict) -> int:
     DataLoader's worker processes do beside their training process, and one task more, since its tasks
     wait on Ray's object store part of the time. When training is the bound, the OS shares the cores
     between both: ``data_wait_fraction`` shows which way an epoch went (docs/performance.md)."""
-    training = scaling["num_workers"] * scaling["resources_per_worker"].get("CPU", 0.0)
+    training = scaling.num_workers * scaling.resources_per_worker.get("CPU", 0.0)
     return (os.cpu_count() or 1) + math.ceil(training) + 1
 
 

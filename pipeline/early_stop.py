@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline.config import PipelineConfig
 from pipeline.metrics import lower_is_better
 
 
@@ -24,12 +25,12 @@ class EarlyStopping:
     best_epoch: int = -1
 
     @classmethod
-    def of(cls, cfg: dict) -> EarlyStopping | None:
-        stop, task = cfg["train"]["early_stop"], cfg["task"]
-        if stop["patience"] is None:
+    def of(cls, cfg: PipelineConfig) -> EarlyStopping | None:
+        stop, task = cfg.train.early_stop, cfg.task
+        if stop.patience is None:
             return None
-        metric = stop["metric"] or cfg["optimized_metric"]
-        return cls(metric, stop["patience"], stop["min_delta"], lower_is_better(task["type"], task["metrics"], metric))
+        metric = stop.metric or cfg.optimized_metric
+        return cls(metric, stop.patience, stop.min_delta, lower_is_better(task.type, task.metrics, metric))
 
     def update(self, value: float, epoch: int) -> str | None:
         """Take an epoch's value; why training stops, once patience has run out."""

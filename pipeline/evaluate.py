@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 from mlflow import MlflowClient
 
+from pipeline.config import TaskConfig
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def per_class(labels: np.ndarray, predicted: np.ndarray, classes: list) -> tuple
     return matrix, rows
 
 
-def report(client: MlflowClient, run_id: str, table: pa.Table, label: str, task: dict, classes: list) -> dict:
+def report(client: MlflowClient, run_id: str, table: pa.Table, label: str, task: TaskConfig, classes: list) -> dict:
     """Log where the model errs to the prediction run ``run_id``: for classification the confusion matrix
     (``confusion_matrix.png``), ``per_class.json`` and the macro averages as metrics; for regression
     ``residuals.png``. Returns the metrics it logged; the summary goes to the console."""
@@ -48,7 +49,7 @@ def report(client: MlflowClient, run_id: str, table: pa.Table, label: str, task:
     import matplotlib.pyplot as plt
 
     labels, predicted = table[label].to_numpy(zero_copy_only=False), table["prediction"].to_numpy(zero_copy_only=False)
-    if task["type"] == "regression":
+    if task.type == "regression":
         fig, axis = plt.subplots(figsize=(5, 4))
         axis.scatter(predicted, labels - predicted, s=6, alpha=0.5)
         axis.axhline(0.0, color="black", linewidth=0.8)

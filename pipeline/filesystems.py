@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from pipeline.config import S3Config, StorageConfig
 from pipeline.errors import PipelineError
 
 # AWS error codes in pyarrow's messages, and what the user should do about each.
@@ -36,19 +37,19 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def s3_filesystem(s3: dict, anonymous: bool = False) -> pafs.S3FileSystem:
+def s3_filesystem(s3: S3Config, anonymous: bool = False) -> pafs.S3FileSystem:
     """An S3 filesystem from the config's connection settings (region, endpoint, timeouts)."""
     return pafs.S3FileSystem(
-        region=s3["region"],
-        endpoint_override=s3["endpoint_url"],
-        anonymous=anonymous or s3["anonymous"],
-        connect_timeout=s3["connect_timeout_s"],
-        request_timeout=s3["request_timeout_s"],
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=s3["max_attempts"]),
+        region=s3.region,
+        endpoint_override=s3.endpoint_url,
+        anonymous=anonymous or s3.anonymous,
+        connect_timeout=s3.connect_timeout_s,
+        request_timeout=s3.request_timeout_s,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=s3.max_attempts),
     )
 
 
-def locate(uri: str, s3: dict, key: str) -> tuple[pafs.FileSystem, str]:
+def locate(uri: str, s3: S3Config, key: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem for ``uri`` and the path inside it (``bucket/prefix`` for S3, absolute locally).
 
     ``s3://anonymous@bucket/...`` (Ray's spelling for public buckets) reads without credentials;
@@ -79,7 +80,7 @@ def s3_error(key: str, uri: str, err: OSError) -> PipelineError:
     )
 
 
-def make_dir(uri: str, s3: dict, key: str) -> None:
+def make_dir(uri: str, s3: S3Config, key: str) -> None:
     """Create the directory ``uri`` names now, so a missing bucket or a read-only store fails before training."""
     fs, path = locate(uri, s3, key)
     try:
@@ -100,7 +101,7 @@ class RunStorage:
     uri: str
 
 
-def run_storage(storage: dict, run_dir: str, run_id: str, resume_from: str | None = None) -> RunStorage:
+def run_storage(storage: StorageConfig, run_dir: str, run_id: str, resume_from: str | None = None) -> RunStorage:
     """Each run's checkpoints live under its MLflow run id, in ``storage.path`` (a shared path or
     ``s3://`` URI) or else the job's output directory (``<run_dir>/checkpoints``). Ray Train restores
     from whatever it finds there, so a fresh run, with a fresh id, never resumes by accident; a
@@ -108,6 +109,6 @@ def run_storage(storage: dict, run_dir: str, run_id: str, resume_from: str | Non
     if resume_from is not None:
         parent, name = resume_from.rsplit("/", 1)
     else:
-        parent, name = (storage["path"] or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
-    fs, path = locate(parent, storage["s3"], "storage.path")
+        parent, name = (storage.path or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
+    fs, path = locate(parent, storage.s3, "storage.path")
     return RunStorage(path, name, fs, f"{parent if is_s3(parent) else path}/{name}")

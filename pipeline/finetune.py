@@ -20,6 +20,7 @@ import torch
 from hydra.utils import get_method, instantiate
 
 from pipeline import checkpoint
+from pipeline.config import FinetuneConfig
 from pipeline.errors import PipelineError
 
 STATE_FILES = ("state_dict.pt", "checkpoint.pt")  # a logged model's file, a pipeline checkpoint's
@@ -43,27 +44,27 @@ class Initial:
 # ---- on the driver ----------------------------------------------------------------------------------
 
 
-def initial_weights(model_cfg: dict, finetune: dict, files: str | None = None) -> Initial | None:
+def initial_weights(model_cfg: dict, finetune: FinetuneConfig, files: str | None = None) -> Initial | None:
     """``finetune.weights`` read (from ``files``, an MLflow model's weights as downloaded) and matched to
     the model built from ``model_cfg`` (None: random weights);
     ``finetune.freeze`` and ``finetune.head`` patterns checked against its parameter names. Without any
     of those settings the model is not built here."""
-    if finetune["weights"] is None and not finetune["freeze"] and not finetune["head"]:
+    if finetune.weights is None and not finetune.freeze and not finetune.head:
         return None
     model = instantiate(model_cfg, _convert_="all")
     names = [name for name, _ in model.named_parameters()]
-    for pattern in finetune["freeze"]:
+    for pattern in finetune.freeze:
         if not matching([pattern], names):
             raise PipelineError(f"finetune.freeze: {pattern!r} matches no parameter of the model ({hint(names)}).")
-    if names and len(matching(finetune["freeze"], names)) == len(names):
+    if names and len(matching(finetune.freeze, names)) == len(names):
         raise PipelineError("finetune.freeze: every parameter of the model is frozen, so nothing would train.")
-    head = head_names(model, finetune["head"])
+    head = head_names(model, finetune.head)
     if not head:
-        raise PipelineError(f"finetune.head: {finetune['head']} matches no parameter of the model ({hint(names)}).")
-    if finetune["weights"] is None:
+        raise PipelineError(f"finetune.head: {finetune.head} matches no parameter of the model ({hint(names)}).")
+    if finetune.weights is None:
         return None
-    state = read_weights(finetune["weights"], model_cfg["_target_"], files)
-    return matched(model.state_dict(), state, head, finetune["weights"])
+    state = read_weights(finetune.weights, model_cfg["_target_"], files)
+    return matched(model.state_dict(), state, head, finetune.weights)
 
 
 def read_weights(weights: str, target: str, files: str | None) -> dict[str, torch.Tensor]:
@@ -180,25 +181,25 @@ def module_of(name: str) -> str:
 # ---- in each training worker -------------------------------------------------------------------------
 
 
-def build_model(model_cfg: dict, finetune: dict, initial: Initial | None) -> torch.nn.Module:
+def build_model(model_cfg: dict, finetune: FinetuneConfig, initial: Initial | None) -> torch.nn.Module:
     """The configured model, with the weights it starts from loaded and ``finetune.freeze`` frozen."""
     model = instantiate(model_cfg, _convert_="all")
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial.state, strict=False)
         assert sorted(missing) == initial.fresh and not unexpected, (missing, unexpected)  # as matched on the driver
-    frozen = matching(finetune["freeze"], [name for name, _ in model.named_parameters()])
+    frozen = matching(finetune.freeze, [name for name, _ in model.named_parameters()])
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
     return model
 
 
-def param_groups(model: torch.nn.Module, finetune: dict) -> list[dict]:
+def param_groups(model: torch.nn.Module, finetune: FinetuneConfig) -> list[dict]:
     """The optimizer's parameter groups: what trains, with the backbone (all but the head) in its own group
     at ``backbone_lr_scale`` (``lr_scale``, applied by the worker to the optimizer's and schedule's rate)."""
-    head = head_names(model, finetune["head"])
+    head = head_names(model, finetune.head)
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    scale = finetune["backbone_lr_scale"]
+    scale = finetune.backbone_lr_scale
     if scale == 1.0:
         return [{"params": [p for _, p in trainable], "lr_scale": 1.0}]
     groups = [

@@ -28,6 +28,7 @@ from mlflow.models import Model, infer_signature
 
 from pipeline import checkpoint
 from pipeline.checkpoint import feature_scaler
+from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineError, redact
 from pipeline.workarounds import global_tracking_uri, import_mlflow_pytorch
 
@@ -61,17 +62,17 @@ class Scaled(torch.nn.Module):
         return self.model(self.scale(features))
 
 
-def log_checkpoint(client: MlflowClient, run_id: str, cfg: dict, local: str, kept: Kept) -> None:
+def log_checkpoint(client: MlflowClient, run_id: str, cfg: PipelineConfig, local: str, kept: Kept) -> None:
     """The checkpoint in the local directory ``local`` as the LoggedModel ``kept.model_id`` (made by
     :func:`start_model`): pt2 program, signature, input example, weights; READY once its files are in."""
     state = checkpoint.load(local, "tracking.log_model")
-    model = instantiate(cfg["model"], _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
     model.load_state_dict(state["model"])
-    scale = feature_scaler(cfg["ingest"]["normalize"], state["feature_statistics"], torch.device("cpu"))
+    scale = feature_scaler(cfg.ingest.normalize, state["feature_statistics"], torch.device("cpu"))
     served, example = Scaled(model, scale).eval(), state["input_example"]
     with torch.no_grad():
         signature = infer_signature(example.numpy(), served(example).numpy())
-    metadata = {"task": cfg["task"]["type"], "feature": cfg["source"]["feature_column"], "epoch": kept.epoch}
+    metadata = {"task": cfg.task.type, "feature": cfg.source.feature_column, "epoch": kept.epoch}
     if state["classes"] is not None:
         metadata["classes"] = state["classes"]  # output i is classes[i]
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +201,7 @@ class CheckpointModels:
     Ray Train no longer keeps are deleted, and the best becomes the run's model and, with ``register_as``, a
     registered version."""
 
-    def __init__(self, client: MlflowClient, experiment_id: str, run_id: str, cfg: dict):
+    def __init__(self, client: MlflowClient, experiment_id: str, run_id: str, cfg: PipelineConfig):
         self.client, self.experiment_id, self.run_id, self.cfg = client, experiment_id, run_id, cfg
         self.kept, self.pending = kept_models(client, experiment_id, run_id)  # a resumed run's earlier ones too
 

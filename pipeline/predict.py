@@ -31,7 +31,15 @@ from ray.exceptions import RayTaskError, UserCodeException
 from pipeline import cluster, console, evaluate, models, preprocess, runs, source, tracking, workarounds
 from pipeline.checkpoint import autocast_settings, feature_scaler, is_checkpoint
 from pipeline.checkpoint import load as load_state
-from pipeline.config import active_steps, validate
+from pipeline.config import (
+    NormalizeConfig,
+    PipelineConfig,
+    PredictConfig,
+    S3Config,
+    TaskConfig,
+    TrainConfig,
+    validate,
+)
 from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import locate
 from pipeline.task import Task, prediction_metrics
@@ -50,14 +58,14 @@ class Predictor:
     def __init__(
         self,
         model_cfg: dict,
-        task_cfg: dict,
+        task_cfg: TaskConfig,
         weights: list,
-        normalize: dict | None,
+        normalize: NormalizeConfig | None,
         statistics: dict | None,
         feature: str,
         label: str | None,
         use_gpu: bool,
-        train_cfg: dict,
+        train_cfg: TrainConfig,
         classes: list[str] | None = None,
     ):
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
@@ -83,14 +91,14 @@ class Predictor:
         return out
 
 
-def actor_options(predict: dict, use_gpu: bool) -> dict:
+def actor_options(predict: PredictConfig, use_gpu: bool) -> dict:
     """Ray Data's map_batches options for the replicas: pool size, CPUs, a GPU each on GPU runs, placement."""
-    num_gpus = predict["num_gpus"] if predict["num_gpus"] is not None else (1 if use_gpu else 0)
+    num_gpus = predict.num_gpus if predict.num_gpus is not None else (1 if use_gpu else 0)
     return {
-        "compute": ray.data.ActorPoolStrategy(size=predict["concurrency"]),
-        "num_cpus": predict["num_cpus"],
+        "compute": ray.data.ActorPoolStrategy(size=predict.concurrency),
+        "num_cpus": predict.num_cpus,
         "num_gpus": num_gpus,
-        "batch_size": predict["batch_size"],
+        "batch_size": predict.batch_size,
         **preprocess.placement(predict),
     }
 
@@ -130,13 +138,13 @@ def trained_run(client, experiment: str, name_or_id: str | None):
     )
 
 
-def scored_model(client, run, predict: dict) -> str | None:
+def scored_model(client, run, predict: PredictConfig) -> str | None:
     """The LoggedModel whose weights predict uses: the one ``predict.run`` names as an MLflow model URI,
     else the run's best; None for ``predict.checkpoint``."""
-    if predict["checkpoint"] is not None:
+    if predict.checkpoint is not None:
         return None
-    if predict["run"] is not None and predict["run"].startswith(models.MODEL_URI_SCHEMES):
-        return models.model_source(client, predict["run"])[1]
+    if predict.run is not None and predict.run.startswith(models.MODEL_URI_SCHEMES):
+        return models.model_source(client, predict.run)[1]
     return run.data.tags.get(models.BEST_MODEL_TAG)
 
 
@@ -169,7 +177,7 @@ def load_weights(client, run, checkpoint: str | None, uri: str | None = None) ->
     return state, statistics
 
 
-def check_output(uri: str, s3: dict) -> None:
+def check_output(uri: str, s3: S3Config) -> None:
     """Predictions go to a new or empty directory, so no earlier run's files mix with them."""
     fs, path = locate(uri, s3, "predict.output")
     info = fs.get_file_info(path)
@@ -180,39 +188,37 @@ def check_output(uri: str, s3: dict) -> None:
     fs.create_dir(path, recursive=True)
 
 
-def written(uri: str, s3: dict, label: str | None) -> pa.Table:
+def written(uri: str, s3: S3Config, label: str | None) -> pa.Table:
     """The predictions (and labels) as written, read back."""
     fs, path = locate(uri, s3, "predict.output")
     return pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
 
 
-def score(table: pa.Table, label: str | None, task: dict, seconds: float) -> dict:
+def score(table: pa.Table, label: str | None, task: TaskConfig, seconds: float) -> dict:
     """Rows, rows/s and, with labels, the task's metrics (``predict_accuracy``, ``predict_mae``, ...)."""
     metrics = {"predict_rows": table.num_rows, "predict_throughput": table.num_rows / seconds}
     if label is not None and table.num_rows:
-        found = prediction_metrics(
-            task["type"], task["metrics"], table["prediction"].to_numpy(), table[label].to_numpy()
-        )
+        found = prediction_metrics(task.type, task.metrics, table["prediction"].to_numpy(), table[label].to_numpy())
         metrics |= {f"predict_{name}": value for name, value in found.items()}
     return metrics
 
 
-def prediction_split(cfg: dict, evaluating: bool) -> tuple[str, source.Split, str | None]:
+def prediction_split(cfg: PipelineConfig, evaluating: bool) -> tuple[str, source.Split, str | None]:
     """The rows to predict over: ``predict.source``, else ``source.test``, else ``source.valid``; the key
     that named them, the checked split and its label column (None where it has none: evaluating needs one)."""
-    src = cfg["source"]
+    src = cfg.source
     key, where = next(
         (k, v)
         for k, v in (
-            ("predict.source", cfg["predict"]["source"]),
-            ("source.test", src["test"]),
-            ("source.valid", src["valid"]),
+            ("predict.source", cfg.predict.source),
+            ("source.test", src.test),
+            ("source.valid", src.valid),
         )
         if v
     )
     layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
-    split = source.check_split(key, where, *locate(where, src["s3"], key), layout.inputs)
-    split.layout, split.steps = layout, active_steps(cfg["transforms"]["valid"])
+    split = source.check_split(key, where, *locate(where, src.s3, key), layout.inputs)
+    split.layout, split.steps = layout, cfg.transforms.active("valid")
     label = layout.label if layout.label in split.columns else None
     if evaluating and label is None:
         raise PipelineError(
@@ -222,37 +228,35 @@ def prediction_split(cfg: dict, evaluating: bool) -> tuple[str, source.Split, st
     return key, split, label
 
 
-def run(cfg: dict, job) -> dict:
+def run(cfg: PipelineConfig, job) -> dict:
     """Predict over ``predict.source`` with a trained run's model; returns the logged metrics."""
     console.quiet_libraries()
-    predict, src = cfg["predict"], cfg["source"]
+    predict, src = cfg.predict, cfg.source
     validate(cfg)
-    store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment, create=False)
+    store = runs.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment, create=False)
     client, model_run = store.client, None
-    if predict["run"] or not predict["checkpoint"]:
+    if predict.run or not predict.checkpoint:
         if store.experiment_id is None:
             raise PipelineError(
                 f"predict: there is no MLflow experiment {store.name!r} in {redact(store.uri)} "
                 "to take a trained run from; train first, or give predict.checkpoint=PATH."
             )
-        model_run = trained_run(client, store.experiment_id, predict["run"])
+        model_run = trained_run(client, store.experiment_id, predict.run)
     trained_cfg = tracking.logged_config(client, model_run.info.run_id) if model_run else cfg
-    model_cfg, task_cfg = trained_cfg["model"], trained_cfg.get("task", cfg["task"])
-    weights, statistics = load_weights(client, model_run, predict["checkpoint"], predict["run"])
-    classes = trained_cfg["source"].get("classes")  # the model's classes, by name where labels were names
-    key, split, label = prediction_split(cfg, evaluating=cfg["stage"] == "evaluate")
-    output = predict["output"] or os.path.join(os.path.abspath(job.run_dir), "predictions")
-    check_output(output, src["s3"])
-    cluster.connect(cluster.runtime(cfg["ray"], cfg["scaling"]))
-    cluster.check_shared(
-        cfg["ray"]["address"], {key: split.files[0] if split.local else None, "predict.output": output}
-    )
+    model_cfg, task_cfg = trained_cfg.model, trained_cfg.task
+    weights, statistics = load_weights(client, model_run, predict.checkpoint, predict.run)
+    classes = trained_cfg.source.classes  # the model's classes, by name where labels were names
+    key, split, label = prediction_split(cfg, evaluating=cfg.stage == "evaluate")
+    output = predict.output or os.path.join(os.path.abspath(job.run_dir), "predictions")
+    check_output(output, src.s3)
+    cluster.connect(cluster.runtime(cfg.ray, cfg.scaling))
+    cluster.check_shared(cfg.ray.address, {key: split.files[0] if split.local else None, "predict.output": output})
 
     if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
-        store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
-    name = cfg["tracking"]["run_name"] or f"predict: {model_run.info.run_name if model_run else predict['checkpoint']}"
+        store = runs.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
+    name = cfg.tracking.run_name or f"predict: {model_run.info.run_name if model_run else predict.checkpoint}"
     parent = model_run.info.run_id if model_run else None
-    tags = {STAGE_TAG: cfg["stage"], PREDICTIONS_TAG: output}
+    tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output}
     run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
     tracking.log_data(client, run_id, {"prediction": split}, None)
     model_id = scored_model(client, model_run, predict) if model_run else None
@@ -265,30 +269,30 @@ def run(cfg: dict, job) -> dict:
             "model_cfg": model_cfg,
             "task_cfg": task_cfg,
             "weights": [ray.put(weights)],
-            "normalize": cfg["ingest"]["normalize"],
+            "normalize": cfg.ingest.normalize,
             "statistics": statistics,
             "feature": split.layout.model_input,
             "label": label,
-            "use_gpu": cfg["scaling"]["use_gpu"],
-            "train_cfg": cfg["train"],
+            "use_gpu": cfg.scaling.use_gpu,
+            "train_cfg": cfg.train,
             "classes": classes,
         }
         predictions = rows.map_batches(
             Predictor,
             fn_constructor_kwargs=predictor,
             batch_format="numpy",
-            **actor_options(predict, cfg["scaling"]["use_gpu"]),
+            **actor_options(predict, cfg.scaling.use_gpu),
         )
-        fs, path = locate(output, src["s3"], "predict.output")
+        fs, path = locate(output, src.s3, "predict.output")
         started = time.perf_counter()
         try:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
             raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
-        seconds, table = time.perf_counter() - started, written(output, src["s3"], label)
+        seconds, table = time.perf_counter() - started, written(output, src.s3, label)
         metrics = score(table, label, task_cfg, seconds)
-        if cfg["stage"] == "evaluate":  # where it errs: per class, or its residuals
-            every = classes or list(range(trained_cfg["source"]["num_classes"] or 0))  # what the model can predict
+        if cfg.stage == "evaluate":  # where it errs: per class, or its residuals
+            every = classes or list(range(trained_cfg.source.num_classes or 0))  # what the model can predict
             metrics |= evaluate.report(client, run_id, table, label, task_cfg, every)
         measured_on = (tracking.dataset_name(split), split.digest)
         tracking.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))

@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from pipeline import build, cluster, predict, runs, source
-from pipeline.config import check_targets
+from pipeline.config import PipelineConfig, check_targets
 from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
 from pipeline.finetune import Initial
 
 
-def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
+def checked(cfg: PipelineConfig) -> tuple[dict[str, source.Split], Initial | None]:
     """Config, data and storage checks, then Ray started or joined and the checks that need it: the
     job fits a local runtime; every node of a cluster reaches the storage and data. The checked
     splits and the weights training starts from (``finetune.weights``, read before Ray starts), or a
@@ -30,17 +30,17 @@ def checked(cfg: dict) -> tuple[dict[str, source.Split], Initial | None]:
         # the _target_ imports (the model's: torchvision, seconds) while the data's footers are read
         targets = helper.submit(check_targets, cfg)
         splits = build.sources(cfg)
-        if cfg["train"]["evaluate"]:  # the rows evaluation scores after training
+        if cfg.train.evaluate:  # the rows evaluation scores after training
             predict.prediction_split(cfg, evaluating=True)
         initial = build.start_weights(cfg)
-        storage = cfg["storage"]["path"]
+        storage = cfg.storage.path
         if storage is not None:
-            make_dir(storage, cfg["storage"]["s3"], "storage.path")
-        wanted = cluster.runtime(cfg["ray"], cfg["scaling"])
+            make_dir(storage, cfg.storage.s3, "storage.path")
+        wanted = cluster.runtime(cfg.ray, cfg.scaling)
         targets.result()  # a wrong argument of a part fails before Ray starts
         # then the store: later clients of the same store reuse it (MLflow caches a store per URI); it
         # holds no run until one is started
-        store = helper.submit(runs.connect, cfg["tracking"]["uri"], cfg["paths"]["outputs"])
+        store = helper.submit(runs.connect, cfg.tracking.uri, cfg.paths.outputs)
         cluster.connect(wanted)
         store.result()
     if wanted.address is None:  # a cluster may autoscale; a local runtime never grows

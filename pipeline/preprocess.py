@@ -29,6 +29,7 @@ from hydra.utils import instantiate
 from ray.exceptions import RayError
 
 from pipeline import cache, source, workarounds
+from pipeline.config import PipelineConfig, PredictConfig, SourceConfig, TransformSpec
 from pipeline.errors import PipelineError
 from transforms.tabular import stack_features
 
@@ -77,7 +78,7 @@ class CachePlan:
     estimate_bytes: int  # every split's cached stage, from the first rows of its first file
     capacity_bytes: int  # ingest.cache_share of the object store
     row_bytes: dict[str, float] = field(default_factory=dict)  # split -> estimated bytes a cached row takes
-    built: dict[str, dict] = field(default_factory=dict)  # split -> rows, bytes, seconds (cache.Cache.built)
+    built: dict[str, TransformSpec] = field(default_factory=dict)  # split -> rows, bytes, seconds (cache.Cache.built)
 
     def summary(self) -> str:
         """One line for the console and the run's ``pipeline.cache`` tag."""
@@ -93,17 +94,17 @@ class CachePlan:
         return f"cached in Ray's object store: {'; '.join(parts) or 'building'} ({share})"
 
 
-def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
+def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
     """Each split read lazily with its transforms chained on (the training split shuffled, with
     ``ingest.shuffle``). With the cache on (``plan``, else decided here), each split's steps that run
     once are submitted now, as Ray tasks, and training reads their output as it comes; only
     ``ingest.standardize`` waits, for its pass over the training split: a transform that fails there
     fails the job here, in one line naming the cause. Use it as a context manager: leaving the ``with``
     block ends the epoch counter."""
-    src, counter, ingest = cfg["source"], EpochCounter.remote(), cfg["ingest"]
+    src, counter, ingest = cfg.source, EpochCounter.remote(), cfg.ingest
     layout = splits["train"].layout
     columns = [layout.model_input, layout.label]
-    seed = cfg["train"]["seed"] if ingest["shuffle"] else None
+    seed = cfg.train.seed if ingest.shuffle else None
     plan = plan or cache_plan(cfg, splits)
     datasets, caches = {}, {}
     try:
@@ -116,7 +117,7 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
             else:
                 datasets[name] = dataset(split, steps, columns, src, counter, shuffle)
         stacked = layout.inputs if layout.stacked else None
-        statistics = feature_statistics(datasets["train"], columns[0], stacked) if ingest["standardize"] else None
+        statistics = feature_statistics(datasets["train"], columns[0], stacked) if ingest.standardize else None
     except BaseException as err:
         ray.kill(counter)
         if isinstance(err, RayError):
@@ -131,9 +132,9 @@ def training_data(cfg: dict, splits: dict[str, source.Split], plan: CachePlan | 
 
 def dataset(
     split: source.Split,
-    steps: dict[str, dict],
+    steps: dict[str, TransformSpec],
     columns: list[str],
-    source_cfg: dict,
+    source_cfg: SourceConfig,
     epoch_counter=None,
     shuffle_seed: int | None = None,
 ):
@@ -150,7 +151,7 @@ def dataset(
         shuffle = seeded(permuted, epoch_counter)
         ds = ds.map_batches(shuffle, fn_kwargs={"seed": shuffle_seed}, batch_size=None, **placed)
     blocks = max(len(split.files), int(ray.cluster_resources().get("CPU", 1)))
-    if source_cfg["task_per_file"] and blocks > len(split.files):  # few, large files: still several tasks at once
+    if source_cfg.task_per_file and blocks > len(split.files):  # few, large files: still several tasks at once
         ds = ds.repartition(blocks)
     if shuffle_seed is not None:
         ds = ds.random_shuffle(seed=shuffle_seed, **placed)
@@ -159,9 +160,9 @@ def dataset(
 
 def cached_dataset(
     split: source.Split,
-    steps: dict[str, dict],
+    steps: dict[str, TransformSpec],
     columns: list[str],
-    source_cfg: dict,
+    source_cfg: SourceConfig,
     epoch_counter,
     shuffle_seed: int | None,
     row_bytes: float,
@@ -174,16 +175,16 @@ def cached_dataset(
     prepare = Steps(once, read_steps(split))
     first = next(iter(once.values()), None)
     build_options = {
-        "num_cpus": max((s["num_cpus"] for s in once.values()), default=1.0),
+        "num_cpus": max((s.num_cpus for s in once.values()), default=1.0),
         **(placement(first) if first else {}),
     }
-    groups = cache.row_groups(split.files, split.filesystem, source_cfg["limit"])
+    groups = cache.row_groups(split.files, split.filesystem, source_cfg.limit)
     pieces = cache.build(groups, split.filesystem, [*features, *columns[1:]], prepare, row_bytes, build_options)
     bind = functools.partial(seeded, epoch_counter=epoch_counter)
     inline = not any(is_class(spec) for spec in every_epoch.values())  # class steps need their actor pools
     then = Steps(every_epoch if inline else {}, [])
     later = {} if inline else every_epoch
-    epoch_options = {"num_cpus": max((s["num_cpus"] for s in every_epoch.values()), default=1.0)} if inline else {}
+    epoch_options = {"num_cpus": max((s.num_cpus for s in every_epoch.values()), default=1.0)} if inline else {}
     ds = cache.dataset(pieces, shuffle_seed, then, bind, {**epoch_options, **read_placement(every_epoch)})
     return apply(ds, later, columns, epoch_counter), pieces
 
@@ -212,7 +213,7 @@ class Steps:
     then each step (a class step built here), those that take an ``epoch`` given the one the call passes.
     Steps are built on first use, once per process that runs them."""
 
-    def __init__(self, specs: dict[str, dict], first: list[tuple[Callable, dict]]):
+    def __init__(self, specs: dict[str, TransformSpec], first: list[tuple[Callable, dict]]):
         self.specs, self.first, self.fns = specs, first, None
 
     def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
@@ -225,35 +226,35 @@ class Steps:
         return batch
 
 
-def built(spec: dict) -> tuple[Any, bool]:
+def built(spec: TransformSpec) -> tuple[Any, bool]:
     """A step's callable (a class step's instance) and whether it takes an ``epoch``."""
-    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
     if is_class(spec):
         return fn.func(**fn.keywords), False
     return fn, "epoch" in inspect.signature(fn).parameters
 
 
-def is_class(spec: dict) -> bool:
+def is_class(spec: TransformSpec) -> bool:
     """Whether a step's ``fn`` names a class (run as an actor pool) rather than a function."""
-    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
     return isinstance(fn, functools.partial) and isinstance(fn.func, type)
 
 
-def cached_steps(steps: dict[str, dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+def cached_steps(steps: dict[str, TransformSpec]) -> tuple[dict[str, TransformSpec], dict[str, TransformSpec]]:
     """The steps that run once (up to the first that runs every epoch) and those that run every epoch.
     A step runs every epoch when its ``cache`` says false, or, unset, when its function takes the
     ``epoch`` (seeded augmentation: a new draw each epoch)."""
     names = list(steps)
     for i, spec in enumerate(steps.values()):
-        per_epoch = not spec["cache"] if spec.get("cache") is not None else takes_epoch(spec)
+        per_epoch = not spec.cache if spec.cache is not None else takes_epoch(spec)
         if per_epoch:
             return {n: steps[n] for n in names[:i]}, {n: steps[n] for n in names[i:]}
     return steps, {}
 
 
-def takes_epoch(spec: dict) -> bool:
+def takes_epoch(spec: TransformSpec) -> bool:
     """Whether a step's function (not a class: actors are not told the epoch) declares an ``epoch`` parameter."""
-    fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
     target = fn.func if isinstance(fn, functools.partial) else fn
     return not isinstance(target, type) and "epoch" in inspect.signature(target).parameters
 
@@ -261,13 +262,13 @@ def takes_epoch(spec: dict) -> bool:
 SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps to estimate the cache
 
 
-def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
+def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePlan:
     """``ingest.cache`` decided before anything is recorded: the cached stage's size estimated from the
     first rows of each split (run through its once-only steps here, on the driver) against
     ``ingest.cache_share`` of Ray's object store. ``auto`` streams what does not fit; ``true`` fails."""
-    ingest = cfg["ingest"]
-    capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest["cache_share"])
-    if ingest["cache"] is False:
+    ingest = cfg.ingest
+    capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest.cache_share)
+    if ingest.cache is False:
         return CachePlan(False, 0, capacity)
     row_bytes = {}
     for name, split in splits.items():
@@ -278,10 +279,10 @@ def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
             raise PipelineError(f"transforms.{name}: {type(err).__name__}: {err}") from err
         row_bytes[name] = cache.batch_bytes(sample) / max(len(sample["path"]), 1)
     estimate = round(sum(row_bytes[name] * split.rows for name, split in splits.items()))
-    if estimate > capacity and ingest["cache"] is True:
+    if estimate > capacity and ingest.cache is True:
         raise PipelineError(
             f"ingest.cache=true: the cached steps' output is about {estimate / 2**20:,.0f} MiB (estimated from "
-            f"the first {SAMPLE_ROWS} rows of each split), more than ingest.cache_share={ingest['cache_share']:g} of "
+            f"the first {SAMPLE_ROWS} rows of each split), more than ingest.cache_share={ingest.cache_share:g} of "
             f"Ray's object store ({capacity / 2**20:,.0f} MiB). Set ingest.cache=auto (streams what does not fit) or "
             "false, cache a smaller working size (the decode step's resize), or give Ray a larger object store "
             "(ray.object_store_memory=BYTES, or ray start --object-store-memory on a cluster)."
@@ -289,7 +290,7 @@ def cache_plan(cfg: dict, splits: dict[str, source.Split]) -> CachePlan:
     return CachePlan(estimate <= capacity, estimate, capacity, row_bytes)
 
 
-def sample_rows(split: source.Split, steps: dict[str, dict]) -> dict[str, np.ndarray]:
+def sample_rows(split: source.Split, steps: dict[str, TransformSpec]) -> dict[str, np.ndarray]:
     """The first rows of the split's first file as a Ray Data batch would hold them, through ``steps``."""
     layout = split.layout
     reader = pq.ParquetFile(split.files[0], filesystem=split.filesystem)
@@ -335,26 +336,26 @@ def feature_statistics(ds, column: str, names: list[str] | None = None) -> dict[
     return {"mean": mean.tolist(), "std": np.where(std > 1e-12, std, 1.0).tolist()}
 
 
-def apply(ds, specs: dict[str, dict], columns: list[str] | None, epoch_counter=None):
+def apply(ds, specs: dict[str, TransformSpec], columns: list[str] | None, epoch_counter=None):
     """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict, none null) appended, in order,
     then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
     where the last step ran; ``None`` keeps every column. Without an ``epoch_counter`` (prediction),
     ``epoch`` keeps its default."""
     last: dict = {}
     for spec in specs.values():
-        fn = instantiate(spec["fn"], _partial_=True, _convert_="all")
+        fn = instantiate(spec.fn, _partial_=True, _convert_="all")
         options = {
             "batch_format": "numpy",
-            "batch_size": spec["batch_size"],
-            "num_cpus": spec["num_cpus"],
+            "batch_size": spec.batch_size,
+            "num_cpus": spec.num_cpus,
             **placement(spec),
         }
         if isinstance(fn, functools.partial) and isinstance(fn.func, type):
-            pool = ray.data.ActorPoolStrategy(size=spec["concurrency"] or 1)
+            pool = ray.data.ActorPoolStrategy(size=spec.concurrency or 1)
             ds = ds.map_batches(fn.func, fn_constructor_kwargs=fn.keywords, compute=pool, **options)
         else:
             fn = seeded(fn, epoch_counter)
-            ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec["concurrency"]), **options)
+            ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec.concurrency), **options)
         last = placement(spec)
     return ds if columns is None else ds.select_columns(columns, **last)
 
@@ -373,13 +374,14 @@ def seeded(fn, epoch_counter):
     return call
 
 
-def placement(spec: dict) -> dict:
-    """Ray's options for where a step's tasks or actors may run: the custom resources and node labels
-    it asks for (none: any node with a free CPU)."""
-    return {key: spec[key] for key in ("resources", "label_selector") if spec[key]}
+def placement(spec: TransformSpec | PredictConfig) -> dict:
+    """Ray's options for where a step's tasks or actors (or predict's replicas) may run: the custom resources
+    and node labels it asks for (none: any node with a free CPU)."""
+    wanted = {"resources": spec.resources, "label_selector": spec.label_selector}
+    return {key: dict(value) for key, value in wanted.items() if value}
 
 
-def read_placement(specs: dict[str, dict]) -> dict:
+def read_placement(specs: dict[str, TransformSpec]) -> dict:
     """Reading runs where the split's first step does, so a cluster's reads stay on its preprocessing
     nodes and Ray Data can fuse the read with that step into one task (select_columns, likewise,
     runs where the last step does)."""

@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ray.exceptions import RayError
 
@@ -32,6 +32,7 @@ from pipeline import (
     workarounds,
 )
 from pipeline.build import Job
+from pipeline.config import PipelineConfig
 from pipeline.errors import PipelineError, redact
 from pipeline.messages import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 from pipeline.tracking import Tracker
@@ -39,11 +40,11 @@ from pipeline.tracking import Tracker
 log = logging.getLogger(__name__)
 
 
-def run(cfg: dict, job: Job) -> dict:
-    """Run one experiment from its resolved config; returns the last epoch's metrics."""
+def run(cfg: PipelineConfig, job: Job) -> dict:
+    """Run one experiment from its typed config; returns the last epoch's metrics."""
     job.run_dir = os.path.abspath(job.run_dir)
     console.quiet_libraries()
-    kind, names = cfg["task"]["type"], cfg["task"]["metrics"]
+    kind, names = cfg.task.type, cfg.task.metrics
     try:
         splits, initial = preflight.checked(cfg)
         baseline = task.constant_baseline(kind, names, source.labels(splits["valid"]))  # what learning must beat
@@ -64,32 +65,32 @@ def run(cfg: dict, job: Job) -> dict:
                 log.info("finetune: %s", initial.summary())
                 tracker.log_start_weights(initial)
             reporter = report_cache(data, tracker)
-            tracker.expected_rows = expected_rows(data.rows, cfg["scaling"]["num_workers"], cfg["ingest"]["drop_last"])
-            storage = filesystems.run_storage(cfg["storage"], job.run_dir, tracker.run_id, tracker.resume_from)
+            tracker.expected_rows = expected_rows(data.rows, cfg.scaling.num_workers, cfg.ingest.drop_last)
+            storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage)
-            steps, wait_limit = trainer.epoch_steps(cfg, data), cfg["tracking"]["data_wait_warning"]
-            progress = console.Progress(cfg["train"]["epochs"], steps, wait_limit)
+            steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
+            progress = console.Progress(cfg.train.epochs, steps, wait_limit)
             result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
-            alias = None if job.sweep_dir else cfg["tracking"]["register_alias"]  # a sweep's: its best job's
+            alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's
             tracker.models.finish(
                 workarounds.kept_checkpoints(result),
                 storage.filesystem,
-                cfg["train"]["checkpoint_metric"],  # the best by it, or else the last
-                trainer.checkpoint_mode(cfg["train"], cfg["task"]),
-                cfg["tracking"]["register_as"],
+                cfg.train.checkpoint_metric,  # the best by it, or else the last
+                trainer.checkpoint_mode(cfg.train, cfg.task),
+                cfg.tracking.register_as,
                 alias,
             )
             verdict = task.no_learning(kind, names, tracker.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
                 tracker.flag_no_learning(verdict)
-    if cfg["train"]["evaluate"]:  # the best model on the held-out rows (source.test), in a run nested under this one
-        settings = {"stage": "evaluate", "predict": {**cfg["predict"], "run": tracker.run_id}}
-        predict.run({**cfg, **settings, "tracking": {**cfg["tracking"], "run_name": None}}, job)
-    metric = cfg["optimized_metric"]
+    if cfg.train.evaluate:  # the best model on the held-out rows (source.test), in a run nested under this one
+        scoring = replace(cfg.predict, run=tracker.run_id)
+        predict.run(replace(cfg, stage="evaluate", predict=scoring, tracking=replace(cfg.tracking, run_name=None)), job)
+    metric = cfg.optimized_metric
     log.info("finished: %s %.4f; %s", metric, tracker.last[metric], runs.run_link(tracker.uri, tracker.run_id))
     return {k: tracker.last[k] for k in tracker.metrics}
 

@@ -20,6 +20,7 @@ from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
+from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError, redact
 
 CODE_DIR = str(Path(__file__).resolve().parent)
@@ -106,9 +107,9 @@ class Store:
     experiment_id: str | None  # None: no such experiment yet (opened with create=False)
 
     @classmethod
-    def open(cls, tracking_cfg: dict, outputs: str, experiment: str, create: bool = True) -> Store:
-        client, uri = connect(tracking_cfg["uri"], outputs)
-        name = tracking_cfg["experiment_name"] or experiment
+    def open(cls, tracking_cfg: TrackingConfig, outputs: str, experiment: str, create: bool = True) -> Store:
+        client, uri = connect(tracking_cfg.uri, outputs)
+        name = tracking_cfg.experiment_name or experiment
         if create:
             return cls(client, uri, name, experiment_id(client, uri, name, outputs))
         found = client.get_experiment_by_name(name)

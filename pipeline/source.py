@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import check_target
+from pipeline.config import SourceConfig, check_target
 from pipeline.errors import PipelineError
 from pipeline.filesystems import is_s3, locate, s3_error
 
@@ -40,9 +40,9 @@ class Layout:
     classes: list[str] | None = None  # labels that are class names, made their index here
 
     @classmethod
-    def of(cls, source: dict) -> Layout:
-        features, label = source["feature_column"], source["label_column"]
-        settings = {"on_missing": source["on_missing"], "classes": source["classes"]}
+    def of(cls, source: SourceConfig) -> Layout:
+        features, label = source.feature_column, source.label_column
+        settings = {"on_missing": source.on_missing, "classes": source.classes}
         if isinstance(features, list):
             return cls(list(features), "features", label, stacked=True, **settings)
         return cls([features], features, label, stacked=False, **settings)
@@ -209,16 +209,16 @@ def is_names(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
-def class_names(source: dict) -> list[str] | None:
+def class_names(source: SourceConfig) -> list[str] | None:
     """The classes of a classification whose labels are names: the training split's distinct labels,
     sorted. None when its labels are numbers, or when its files cannot be read (the source checks then
     say why)."""
-    fs, path = locate(source["train"], source["s3"], "source.train")
+    fs, path = locate(source.train, source.s3, "source.train")
     try:
         files = parquet_files(fs, path)
-        if not files or not is_names(pq.read_schema(files[0], filesystem=fs).field(source["label_column"]).type):
+        if not files or not is_names(pq.read_schema(files[0], filesystem=fs).field(source.label_column).type):
             return None
-        labels = pq.read_table(files, filesystem=fs, columns=[source["label_column"]]).column(0)
+        labels = pq.read_table(files, filesystem=fs, columns=[source.label_column]).column(0)
     except (OSError, KeyError, pa.ArrowException):
         return None
     return sorted(str(name) for name in pc.unique(labels.cast(pa.string())).to_pylist() if name is not None)
@@ -233,7 +233,7 @@ def with_classes(cfg) -> None:
     if cfg.task.type != "classification":
         return
     if cfg.source.classes is None:
-        names = class_names(OmegaConf.to_container(cfg.source, resolve=True))
+        names = class_names(OmegaConf.to_object(cfg.source))
         if names is None:
             return
         cfg.source.classes = names
@@ -253,33 +253,33 @@ def labels(split: Split) -> np.ndarray:
     return table.column(split.layout.label).slice(0, split.rows).to_numpy()
 
 
-def prepare(source: dict) -> dict[str, Split]:
+def prepare(source: SourceConfig) -> dict[str, Split]:
     """Resolve and check every split, downloading the data first when it is local, missing and allowed.
 
     Row counts come back already capped by ``source.limit``, each split with its :class:`Layout`.
     """
     layout = Layout.of(source)
-    places = {split: locate(source[split], source["s3"], f"source.{split}") for split in SPLITS}
-    downloadable = source["download"] is not None and not any(is_s3(source[s]) for s in SPLITS)
+    places = {split: locate(getattr(source, split), source.s3, f"source.{split}") for split in SPLITS}
+    downloadable = source.download is not None and not any(is_s3(getattr(source, s)) for s in SPLITS)
     if downloadable and not all(parquet_files(*place) for place in places.values()):
         from hydra.utils import instantiate
 
-        check_target(source["download"], "source.download", runtime_args=("root",))
-        download = instantiate(source["download"], _partial_=True)  # called here so its errors stay ours
-        download(root=source["root"])
-    columns, num_classes, classes = [*layout.inputs, layout.label], source["num_classes"], source["classes"]
+        check_target(source.download, "source.download", runtime_args=("root",))
+        download = instantiate(source.download, _partial_=True)  # called here so its errors stay ours
+        download(root=source.root)
+    columns, num_classes, classes = [*layout.inputs, layout.label], source.num_classes, source.classes
     checked = {
-        split: check_split(f"source.{split}", source[split], *places[split], columns, num_classes, classes)
+        split: check_split(f"source.{split}", getattr(source, split), *places[split], columns, num_classes, classes)
         for split in SPLITS
     }
-    limit = source["limit"]
+    limit = source.limit
     for split in checked.values():
         split.rows = split.rows if limit is None else min(split.rows, limit)
         split.layout = layout
     return checked
 
 
-def read(split: Split, columns: list[str], source: dict, placement: dict | None = None):
+def read(split: Split, columns: list[str], source: SourceConfig, placement: dict | None = None):
     """A lazy Ray Dataset over the split's files (nothing is read until a worker iterates); each row
     also carries its file in ``path``, so a transform can name the file of a bad row. ``placement``:
     Ray options (custom resources, node labels) for the read tasks. ``source.limit`` caps the rows.
@@ -289,8 +289,8 @@ def read(split: Split, columns: list[str], source: dict, placement: dict | None 
     docs/performance.md); off, Ray splits them, for clusters with far more CPUs than files."""
     import ray.data
 
-    ray.data.DataContext.get_current().use_datasource_v2 = source["reader_v2"]
-    blocks = len(split.files) if source["task_per_file"] else None
+    ray.data.DataContext.get_current().use_datasource_v2 = source.reader_v2
+    blocks = len(split.files) if source.task_per_file else None
     ds = ray.data.read_parquet(
         split.files,
         filesystem=split.filesystem,
@@ -299,4 +299,4 @@ def read(split: Split, columns: list[str], source: dict, placement: dict | None 
         override_num_blocks=blocks,
         **(placement or {}),
     )
-    return ds if source["limit"] is None else ds.limit(source["limit"])
+    return ds if source.limit is None else ds.limit(source.limit)

@@ -20,6 +20,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import console, models, runs, tracking
+from pipeline.config import load
 from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
 
@@ -34,9 +35,9 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     console.quiet_libraries()
     error = PipelineError("the overrides do not compose: " + " ".join(str(err.__cause__ or err).split()))
     log.error("job %d failed: %s", number, error)
-    cfg = OmegaConf.to_container(sweep_config, resolve=False)
-    del cfg["hydra"]
-    cfg = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+    plain = OmegaConf.to_container(sweep_config, resolve=False)
+    del plain["hydra"]
+    cfg = load(OmegaConf.create(plain))
     experiment = runs.experiment_choice(sweep_config.hydra.runtime.choices)
     job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
     tracking.Tracker.open(cfg, job).end("FAILED", error)

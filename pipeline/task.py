@@ -9,14 +9,15 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 
+from pipeline.config import TaskConfig
 from pipeline.metrics import Metric, lower_is_better, task_metric
 
 
 class Task:
-    def __init__(self, task: dict):
-        self.regression = task["type"] == "regression"
-        self.metrics: dict[str, Metric] = {name: task_metric(task["type"], name) for name in task["metrics"]}
-        self.loss_fn = instantiate(task["loss"], _convert_="all")
+    def __init__(self, task: TaskConfig):
+        self.regression = task.type == "regression"
+        self.metrics: dict[str, Metric] = {name: task_metric(task.type, name) for name in task.metrics}
+        self.loss_fn = instantiate(task.loss, _convert_="all")
 
     def outputs(self, outputs: torch.Tensor) -> torch.Tensor:
         """Regression models may output (N, 1): one number per row either way."""

@@ -7,6 +7,7 @@ are :mod:`pipeline.runs`'s; the checkpoints' LoggedModels and the registry :mod:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from pipeline import models
+from pipeline.config import PipelineConfig, logged
 from pipeline.console import data_wait_note
 from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import RunStorage
@@ -52,16 +54,16 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def without_secrets(cfg: dict) -> dict:
-    """``cfg`` with the values of ``ray.runtime_env.env_vars`` (where credentials for the cluster's
-    workers go) replaced by ``***``."""
-    runtime_env = dict(cfg["ray"]["runtime_env"])
-    if runtime_env.get("env_vars"):
-        runtime_env["env_vars"] = {key: "***" for key in runtime_env["env_vars"]}
-    return {**cfg, "ray": {**cfg["ray"], "runtime_env": runtime_env}}
+def without_secrets(cfg: PipelineConfig) -> dict:
+    """``cfg`` as plain data, with the values of ``ray.runtime_env.env_vars`` (where credentials for the
+    cluster's workers go) replaced by ``***``."""
+    plain, env_vars = dataclasses.asdict(cfg), cfg.ray.runtime_env.get("env_vars")
+    if env_vars:
+        plain["ray"]["runtime_env"]["env_vars"] = dict.fromkeys(env_vars, "***")
+    return plain
 
 
-def log_config(client: MlflowClient, run_id: str, cfg: dict) -> None:
+def log_config(client: MlflowClient, run_id: str, cfg: PipelineConfig) -> None:
     """The resolved config, secrets removed, twice: flattened as params (searchable) and whole as
     ``config.yaml`` (what :func:`logged_config` reads back)."""
     cfg = without_secrets(cfg)
@@ -71,10 +73,10 @@ def log_config(client: MlflowClient, run_id: str, cfg: dict) -> None:
     client.log_text(run_id, redact(yaml.safe_dump(cfg, sort_keys=False)), "config.yaml")
 
 
-def logged_config(client: MlflowClient, run_id: str) -> dict:
-    """The config a run logged (``config.yaml``)."""
+def logged_config(client: MlflowClient, run_id: str) -> PipelineConfig:
+    """The config a run logged (``config.yaml``), typed."""
     with tempfile.TemporaryDirectory() as tmp, open(client.download_artifacts(run_id, "config.yaml", tmp)) as file:
-        return yaml.safe_load(file)
+        return logged(yaml.safe_load(file), f"run {run_id}")
 
 
 def log_metrics(
@@ -187,12 +189,12 @@ class Tracker:
     to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
     state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
 
-    def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: dict):
+    def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: PipelineConfig):
         self.client, self.uri, self.run_id, self.experiment_id = store.client, store.uri, run_id, store.experiment_id
-        self.cfg, task = cfg, cfg["task"]
-        self.metrics = list(epoch_metrics(task["type"], task["metrics"]))  # what each epoch reports
-        self.curve_metric = first_task_metric(task["metrics"])  # drawn beside the losses
-        self.settings = cfg["tracking"]
+        self.cfg, task = cfg, cfg.task
+        self.metrics = list(epoch_metrics(task.type, task.metrics))  # what each epoch reports
+        self.curve_metric = first_task_metric(task.metrics)  # drawn beside the losses
+        self.settings = cfg.tracking
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(store.client, run_id)  # a resumed run holds its first epochs already
@@ -209,19 +211,19 @@ class Tracker:
     # The tracker factory: every run the pipeline writes is created or reopened by one of these three.
 
     @classmethod
-    def open(cls, cfg: dict, job) -> Tracker:
+    def open(cls, cfg: PipelineConfig, job) -> Tracker:
         """A training job's run (``job``: a :class:`pipeline.build.Job`): the one ``train.resume``
         continues, or a new one (in a sweep, nested under the sweep's parent run)."""
-        store = Store.open(cfg["tracking"], cfg["paths"]["outputs"], job.experiment)
-        if cfg["train"]["resume"]:
-            run_id, resume_from = reopen_run(store, cfg["tracking"]["run_name"])
+        store = Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
+        if cfg.train.resume:
+            run_id, resume_from = reopen_run(store, cfg.tracking.run_name)
             return cls(store, run_id, resume_from, job.started_at, cfg)
         parent = store.sweep_parent(job.sweep_dir) if job.sweep_dir else None
-        return cls.start(store, cfg, job, cfg["tracking"]["run_name"] or job.run_name, parent)
+        return cls.start(store, cfg, job, cfg.tracking.run_name or job.run_name, parent)
 
     @classmethod
     def start(
-        cls, store: Store, cfg: dict, job, run_name: str | None, parent: str | None, tags: dict | None = None
+        cls, store: Store, cfg: PipelineConfig, job, run_name: str | None, parent: str | None, tags: dict | None = None
     ) -> Tracker:
         """A new run in ``store``, nested under ``parent``, tagged with ``job``'s overrides and ``tags``,
         with the config logged."""
@@ -230,7 +232,7 @@ class Tracker:
         return cls(store, run_id, None, job.started_at, cfg)
 
     @classmethod
-    def reopen_tagged(cls, store: Store, cfg: dict, tag: str, value: str) -> Tracker | None:
+    def reopen_tagged(cls, store: Store, cfg: PipelineConfig, tag: str, value: str) -> Tracker | None:
         """The run tagged ``tag=value`` (a Tune trial a resumed sweep restarts), RUNNING again; None if none."""
         found = store.runs_where(tag, value)
         return cls(store, reopen(store.client, found[0]), None, time.time(), cfg) if found else None
@@ -254,10 +256,10 @@ class Tracker:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
         model_id = None
-        if checkpoint is not None and self.settings["log_model"]:
+        if checkpoint is not None and self.settings.log_model:
             model_id = self.models.start(epoch, checkpoint)
         log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.dataset_of)
-        note = data_wait_note(metrics["data_wait_fraction"], self.settings["data_wait_warning"])
+        note = data_wait_note(metrics["data_wait_fraction"], self.settings.data_wait_warning)
         if note is not None:
             self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
         if "stopped_early" in metrics:  # train.early_stop ended training after this epoch
@@ -316,7 +318,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         """Start MLflow's system metrics (this node's CPU, memory, disk, network, and GPU when pynvml
         finds one) for the run, under ``system/``; a resumed run continues their steps."""
-        interval = self.settings["system_metrics_s"]
+        interval = self.settings.system_metrics_s
         if interval:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

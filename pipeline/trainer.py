@@ -10,17 +10,18 @@ from __future__ import annotations
 import ray
 import ray.data
 import ray.train
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
 
+from pipeline.config import PipelineConfig, ScalingConfig, TaskConfig, TrainConfig
 from pipeline.events import EventHandler, ReportRelay, relayed
 from pipeline.filesystems import RunStorage
 from pipeline.finetune import Initial
 from pipeline.metrics import lower_is_better
 from pipeline.preprocess import TrainingData
 from pipeline.workarounds import explain, fit_off_main_thread
-from pipeline.worker import train_loop_per_worker
+from pipeline.worker import WorkerJob, train_loop_per_worker
 
 
 def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
@@ -29,45 +30,52 @@ def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_l
     return rows // batch if drop_last else -(-rows // batch)
 
 
-def trainer_settings(scaling: dict) -> tuple[ScalingConfig, TorchConfig]:
+def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
     """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers; workers go
     only to nodes with their resources (custom ones included) and ``label_selector`` labels."""
-    scaling_config = ScalingConfig(
-        num_workers=scaling["num_workers"],
-        use_gpu=scaling["use_gpu"],
-        resources_per_worker=dict(scaling["resources_per_worker"]),
-        label_selector=dict(scaling["label_selector"]) or None,
+    scaling_config = ray.train.ScalingConfig(
+        num_workers=scaling.num_workers,
+        use_gpu=scaling.use_gpu,
+        resources_per_worker=dict(scaling.resources_per_worker),
+        label_selector=dict(scaling.label_selector) or None,
     )
-    return scaling_config, TorchConfig(backend="nccl" if scaling["use_gpu"] else "gloo")
+    return scaling_config, TorchConfig(backend="nccl" if scaling.use_gpu else "gloo")
 
 
-def data_config(cfg: dict) -> DataConfig:
+def data_config(cfg: PipelineConfig) -> DataConfig:
     """How Ray Train executes the datasets it splits: Ray's defaults, unless the config changes them."""
-    data_cpus = cfg["scaling"]["data_cpus"]
+    data_cpus = cfg.scaling.data_cpus
     execution_options = None
-    if data_cpus is not None or cfg["ingest"]["preserve_order"]:
-        execution_options = ray.data.ExecutionOptions(preserve_order=cfg["ingest"]["preserve_order"])
+    if data_cpus is not None or cfg.ingest.preserve_order:
+        execution_options = ray.data.ExecutionOptions(preserve_order=cfg.ingest.preserve_order)
         if data_cpus is not None:
             execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
     return DataConfig(execution_options=execution_options)
 
 
 def build_trainer(
-    cfg: dict, data: TrainingData, storage: RunStorage, events: Queue, callbacks: list, initial: Initial | None
+    cfg: PipelineConfig,
+    data: TrainingData,
+    storage: RunStorage,
+    events: Queue,
+    callbacks: list,
+    initial: Initial | None,
 ) -> TorchTrainer:
-    """A TorchTrainer for the resolved config; workers send their events to ``events``; ``callbacks``
+    """A TorchTrainer for the typed config; workers send their events to ``events``; ``callbacks``
     run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
     (the weights training starts from) goes to Ray's object store once, for every worker."""
-    scaling_config, torch_config = trainer_settings(cfg["scaling"])
+    scaling_config, torch_config = trainer_settings(cfg.scaling)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "cfg": cfg,
-            "events": events,
-            "epoch_counter": data.epoch_counter,
-            "statistics": data.statistics,
-            "steps_per_epoch": epoch_steps(cfg, data),
-            "initial": ray.put(initial) if initial is not None else None,
+            "job": WorkerJob(
+                cfg,
+                events,
+                data.epoch_counter,
+                data.statistics,
+                epoch_steps(cfg, data),
+                ray.put(initial) if initial is not None else None,
+            )
         },
         scaling_config=scaling_config,
         torch_config=torch_config,
@@ -78,32 +86,32 @@ def build_trainer(
             storage_path=storage.path,
             storage_filesystem=storage.filesystem,
             checkpoint_config=CheckpointConfig(
-                num_to_keep=cfg["train"]["num_to_keep"],
-                checkpoint_score_attribute=cfg["train"]["checkpoint_metric"],
-                checkpoint_score_order=checkpoint_mode(cfg["train"], cfg["task"]),
+                num_to_keep=cfg.train.num_to_keep,
+                checkpoint_score_attribute=cfg.train.checkpoint_metric,
+                checkpoint_score_order=checkpoint_mode(cfg.train, cfg.task),
             ),
-            failure_config=FailureConfig(max_failures=cfg["train"]["max_failures"]),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             callbacks=[ReportRelay(events), *callbacks],
         ),
     )
 
 
-def checkpoint_mode(train: dict, task: dict) -> str:
+def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:
     """``train.checkpoint_mode``, or, when null, min for a loss or an error metric and max otherwise."""
-    if train["checkpoint_mode"] is not None:
-        return train["checkpoint_mode"]
-    metric = train["checkpoint_metric"]
-    return "min" if metric is not None and lower_is_better(task["type"], task["metrics"], metric) else "max"
+    if train.checkpoint_mode is not None:
+        return train.checkpoint_mode
+    metric = train.checkpoint_metric
+    return "min" if metric is not None and lower_is_better(task.type, task.metrics, metric) else "max"
 
 
-def epoch_steps(cfg: dict, data: TrainingData) -> int:
+def epoch_steps(cfg: PipelineConfig, data: TrainingData) -> int:
     """Batches each worker sees per epoch of this job."""
-    scaling, ingest = cfg["scaling"], cfg["ingest"]
-    return steps_per_epoch(data.rows["train"], scaling["num_workers"], ingest["batch_size"], ingest["drop_last"])
+    scaling, ingest = cfg.scaling, cfg.ingest
+    return steps_per_epoch(data.rows["train"], scaling.num_workers, ingest.batch_size, ingest.drop_last)
 
 
 def fit(
-    cfg: dict,
+    cfg: PipelineConfig,
     data: TrainingData,
     storage: RunStorage,
     handler: EventHandler,

@@ -16,18 +16,19 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline import build, events, filesystems, messages, preprocess, trainer
+from pipeline.config import PipelineConfig, load
 
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
 
 
-def trial_config(bases: dict[str, DictConfig], params: dict) -> dict:
-    """The resolved config of a trial: the base composed for its group choices, with its sampled
-    values set as Hydra would set ``key=value`` (typed by the schema, so a wrong type fails here)."""
+def trial_config(bases: dict[str, DictConfig], params: dict) -> PipelineConfig:
+    """The typed config of a trial: the base composed for its group choices, with its sampled values set as
+    Hydra would set ``key=value`` (typed by the schema, so a wrong type fails here)."""
     cfg = copy.deepcopy(bases[params.get(GROUP_KEY, "")])
     for key, value in params.items():
         if key != GROUP_KEY:
             OmegaConf.update(cfg, key, value, merge=False)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return load(cfg)
 
 
 def trial_dir(sweep_dir: str, trial_id: str) -> str:
@@ -40,7 +41,7 @@ def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> Non
     cfg = trial_config(bases, params)
     with preprocess.training_data(cfg, build.sources(cfg)) as data:
         trial_id = tune.get_context().get_trial_id()
-        storage = filesystems.run_storage(cfg["storage"], trial_dir(sweep_dir, trial_id), trial_id)
+        storage = filesystems.run_storage(cfg.storage, trial_dir(sweep_dir, trial_id), trial_id)
         initial = build.start_weights(cfg)  # read where the trial runs: any node of the cluster
         trainer.fit(cfg, data, storage, TrialEvents(), initial, callbacks=(TuneReportCallback(),))
 

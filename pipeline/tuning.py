@@ -32,6 +32,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from pipeline import build, console, filesystems, preflight, runs, source, tracking, workarounds
 from pipeline.build import Job
+from pipeline.config import PipelineConfig, ScalingConfig, load
 from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
 from pipeline.trainer import checkpoint_mode
@@ -69,10 +70,10 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     if not space:
         raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
 
-    resolved = {name: OmegaConf.to_container(base, resolve=True) for name, base in bases.items()}
+    resolved = {name: load(base) for name, base in bases.items()}
     splits = {name: preflight.checked(cfg)[0] for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
-    metric = first["optimized_metric"]
+    metric = first.optimized_metric
     experiment = runs.experiment_choice(config.hydra.runtime.choices)
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
     recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
@@ -92,7 +93,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
             yaml.safe_dump(described, out)
         transform_cpus = build.transform_cpus(next(iter(splits.values())))
         concurrent = settings.max_concurrent_trials or concurrency(
-            first["scaling"], transform_cpus, ray.cluster_resources()
+            first.scaling, transform_cpus, ray.cluster_resources()
         )
         log.info("sweep %s on Ray Tune: up to %d trial(s) at once", sweep_dir, concurrent)
         if grid:  # Tune applies max_concurrent_trials to a Searcher only; its generator takes it itself
@@ -102,7 +103,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
             param_space=space,
             tune_config=tune.TuneConfig(
                 metric=metric,
-                mode="min" if lower_is_better(first["task"]["type"], first["task"]["metrics"], metric) else "max",
+                mode="min" if lower_is_better(first.task.type, first.task.metrics, metric) else "max",
                 search_alg=search_alg,
                 scheduler=hydra.utils.instantiate(settings.scheduler) if settings.scheduler else None,
                 num_samples=settings.num_samples,
@@ -149,10 +150,10 @@ def base_config(loader, config: DictConfig, overrides: list[str]) -> DictConfig:
     return composed
 
 
-def concurrency(scaling: dict, transform_cpus: float, resources: dict) -> int:
+def concurrency(scaling: ScalingConfig, transform_cpus: float, resources: dict) -> int:
     """Trials at once, when ``max_concurrent_trials`` is unset: as many as the runtime holds, each
     taking its training workers' resources (``scaling``) and at least a CPU for its preprocessing."""
-    need = {key: amount * scaling["num_workers"] for key, amount in scaling["resources_per_worker"].items()}
+    need = {key: amount * scaling.num_workers for key, amount in scaling.resources_per_worker.items()}
     need["CPU"] = need.get("CPU", 0) + max(transform_cpus, 1)
     return max(1, min(math.floor(resources.get(key, 0) / amount) for key, amount in need.items() if amount > 0))
 
@@ -189,10 +190,10 @@ def trial_overrides(params: dict) -> list[str]:
 
 @dataclass
 class OpenTrial:
-    """A running trial as the driver sees it: its MLflow run and resolved config."""
+    """A running trial as the driver sees it: its MLflow run and typed config."""
 
     tracker: tracking.Tracker
-    cfg: dict
+    cfg: PipelineConfig
 
 
 class TrialRecorder(tune.Callback):
@@ -213,14 +214,14 @@ class TrialRecorder(tune.Callback):
         trial_id, params = trial.trial_id, trial.config
         os.makedirs(trial_dir(self.sweep_dir, trial_id), exist_ok=True)  # its metrics.jsonl, wherever checkpoints go
         cfg = trial_config(self.bases, params)
-        store = runs.Store.open(cfg["tracking"], cfg["paths"]["outputs"], self.experiment)
+        store = runs.Store.open(cfg.tracking, cfg.paths.outputs, self.experiment)
         tracker = self.reopen(store, cfg, trial_id) or self.open(store, cfg, trial_id, params)
-        storage = filesystems.run_storage(cfg["storage"], trial_dir(self.sweep_dir, trial_id), trial_id)
+        storage = filesystems.run_storage(cfg.storage, trial_dir(self.sweep_dir, trial_id), trial_id)
         tracker.set_storage(storage)
         self.open_trials[trial_id] = OpenTrial(tracker, cfg)
         log.info("trial %s started: %s", trial_id, " ".join(trial_overrides(params)))
 
-    def open(self, store: runs.Store, cfg: dict, trial_id: str, params: dict) -> tracking.Tracker:
+    def open(self, store: runs.Store, cfg: PipelineConfig, trial_id: str, params: dict) -> tracking.Tracker:
         """A new child run, named for its number in the sweep and its sampled values."""
         overrides = [*self.fixed, *trial_overrides(params)]
         shown = " ".join(o for o in overrides if o != f"+experiment={self.experiment}")
@@ -231,7 +232,7 @@ class TrialRecorder(tune.Callback):
         tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
         return tracker
 
-    def reopen(self, store: runs.Store, cfg: dict, trial_id: str) -> tracking.Tracker | None:
+    def reopen(self, store: runs.Store, cfg: PipelineConfig, trial_id: str) -> tracking.Tracker | None:
         """The run of a trial that Tune restarts (a resumed sweep), RUNNING again; None for a new trial."""
         tracker = tracking.Tracker.reopen_tagged(store, cfg, TRIAL_TAG, trial_id)
         if tracker is not None:
@@ -254,7 +255,7 @@ class TrialRecorder(tune.Callback):
             "trial %s: %s",
             trial.trial_id,
             console.format_metrics(
-                result["epoch"], running.cfg["train"]["epochs"], result, running.cfg["tracking"]["data_wait_warning"]
+                result["epoch"], running.cfg.train.epochs, result, running.cfg.tracking.data_wait_warning
             ),
         )
 
@@ -262,7 +263,7 @@ class TrialRecorder(tune.Callback):
         running = self.end_of(trial)
         if running is None:
             return
-        tracker, epochs = running.tracker, running.cfg["train"]["epochs"]
+        tracker, epochs = running.tracker, running.cfg.train.epochs
         done = max(tracker.logged, default=-1) + 1
         if done == 0:
             tracker.end("FAILED", PipelineError("the trial ended without reporting an epoch."))
@@ -271,13 +272,13 @@ class TrialRecorder(tune.Callback):
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
             tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)
-        train = running.cfg["train"]
+        train = running.cfg.train
         tracker.models.finish(  # the alias: the sweep's best trial's, when it ends
             None,
             tracker.storage.filesystem,
-            train["checkpoint_metric"],
-            checkpoint_mode(train, running.cfg["task"]),
-            running.cfg["tracking"]["register_as"],
+            train.checkpoint_metric,
+            checkpoint_mode(train, running.cfg.task),
+            running.cfg.tracking.register_as,
             None,
         )
         tracker.end("FINISHED")

@@ -1,6 +1,6 @@
 """Runs in every Ray Train worker process: the DDP training loop, top to bottom.
 
-A worker gets the resolved config as a plain dict (no Hydra context exists here), streams its shard
+A worker gets the typed config (:class:`WorkerJob`; no Hydra context exists here), streams its shard
 of each split with ``iter_torch_batches``, trains one DDP replica, all-reduces the validation sums
 so every world size reports the same numbers for the same weights, and reports metrics plus a
 checkpoint once per epoch. What the driver does meanwhile is in :mod:`pipeline.trainer`.
@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 
 from pipeline import checkpoint, finetune
 from pipeline.checkpoint import autocast_settings, feature_scaler
+from pipeline.config import PipelineConfig
 from pipeline.early_stop import EarlyStopping
 from pipeline.finetune import Initial
 from pipeline.messages import CheckpointRestored, StepTaken, WorkerStarted
@@ -38,26 +39,39 @@ from pipeline.telemetry import EpochTelemetry, sum_over_workers
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 
 
+@dataclass
+class WorkerJob:
+    """What the driver hands every worker (:func:`pipeline.trainer.build_trainer`), as Ray Train's
+    ``train_loop_config={"job": WorkerJob(...)}``."""
+
+    cfg: PipelineConfig
+    events: Any  # the ray.util.queue.Queue the driver reads the workers' events from
+    epoch_counter: Any  # the EpochCounter actor the seeded transforms read (pipeline.preprocess)
+    statistics: dict | None  # the features' mean and std, with ingest.standardize
+    steps_per_epoch: int  # batches per worker per epoch
+    initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
+
+
 def train_loop_per_worker(config: dict) -> None:
     """One worker's run: set up, restore, then per epoch: batches -> steps -> evaluate -> report."""
-    cfg, events, epoch_counter = config["cfg"], config["events"], config["epoch_counter"]
+    job: WorkerJob = config["job"]
+    cfg, events, epoch_counter, steps = job.cfg, job.events, job.epoch_counter, job.steps_per_epoch
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    if cfg["scaling"]["torch_threads"]:
-        torch.set_num_threads(cfg["scaling"]["torch_threads"])
+    if cfg.scaling.torch_threads:
+        torch.set_num_threads(cfg.scaling.torch_threads)
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
 
     state = restored_state(device)  # a restarted worker group, or a resumed run
-    start, epochs = (state["epoch"] + 1 if state else 0), cfg["train"]["epochs"]
+    start, epochs = (state["epoch"] + 1 if state else 0), cfg.train.epochs
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
-    statistics = config["statistics"]  # the features' mean and std, with ingest.standardize
     first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
-    updates = -(-config["steps_per_epoch"] // cfg["train"]["accumulate"])  # optimizer steps per epoch
-    initial = ray.get(config["initial"]) if config["initial"] is not None else None  # finetune.weights, matched
-    replica = Replica.build(cfg, device, epochs * updates, statistics, initial)
+    updates = -(-steps // cfg.train.accumulate)  # optimizer steps per epoch
+    initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
+    replica = Replica.build(cfg, device, epochs * updates, job.statistics, initial)
     stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
     if state is not None:
         replica.load_state_dict(state)
@@ -69,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start, epochs):
         batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
-        metrics = train_epoch(replica, batches, cfg, epoch, config["steps_per_epoch"], progress)
+        metrics = train_epoch(replica, batches, cfg, epoch, steps, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
         metrics |= evaluate(replica, valid)
         # every rank holds the same all-reduced metrics, so every rank decides alike
@@ -105,27 +119,30 @@ class Replica:
 
     @classmethod
     def build(
-        cls, cfg: dict, device: torch.device, total_steps: int, statistics: dict | None, initial: Initial | None = None
+        cls,
+        cfg: PipelineConfig,
+        device: torch.device,
+        total_steps: int,
+        statistics: dict | None,
+        initial: Initial | None = None,
     ) -> Replica:
         """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
         with ``train.seed`` (every rank alike)."""
-        torch.manual_seed(cfg["train"]["seed"])
-        bare = finetune.build_model(cfg["model"], cfg["finetune"], initial)  # random weights, or the given ones
+        torch.manual_seed(cfg.train.seed)
+        bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
         model = ray.train.torch.prepare_model(bare)
-        optimizer = instantiate(cfg["optim"], _partial_=True, _convert_="all")(
-            finetune.param_groups(bare, cfg["finetune"])
-        )
+        optimizer = instantiate(cfg.optim, _partial_=True, _convert_="all")(finetune.param_groups(bare, cfg.finetune))
         for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
             group["lr"] *= group["lr_scale"]
         scheduler = None
-        if cfg["scheduler"] is not None:
-            schedule = instantiate(cfg["scheduler"], _partial_=True, _convert_="all")
+        if cfg.scheduler is not None:
+            schedule = instantiate(cfg.scheduler, _partial_=True, _convert_="all")
             scheduler = schedule(
-                optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg["scheduler"], optimizer)
+                optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg.scheduler, optimizer)
             )
-        autocast, scaler = autocast_settings(device, cfg["train"])
-        layout, recipe = Layout.of(cfg["source"]), (cfg["train"]["grad_clip"], cfg["train"]["on_nonfinite"])
-        task, scale = Task(cfg["task"]), feature_scaler(cfg["ingest"]["normalize"], statistics, device)
+        autocast, scaler = autocast_settings(device, cfg.train)
+        layout, recipe = Layout.of(cfg.source), (cfg.train.grad_clip, cfg.train.on_nonfinite)
+        task, scale = Task(cfg.task), feature_scaler(cfg.ingest.normalize, statistics, device)
         return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, scale, layout, *recipe)
 
     @property
@@ -185,7 +202,9 @@ class Replica:
         torch.set_rng_state(state["torch_rng"])
 
 
-def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int, steps: int, progress) -> dict:
+def train_epoch(
+    replica: Replica, batches: Iterable[dict], cfg: PipelineConfig, epoch: int, steps: int, progress
+) -> dict:
     """One pass over the worker's training shard (``steps`` batches); its figures over all workers
     (:class:`pipeline.telemetry.EpochTelemetry`). ``progress`` (rank 0) gets the step and batch loss once a
     second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
@@ -197,7 +216,7 @@ def train_epoch(replica: Replica, batches: Iterable[dict], cfg: dict, epoch: int
     replica.model.train()
     replica.optimizer.zero_grad(set_to_none=True)
     telemetry = EpochTelemetry(next(replica.model.parameters()).device)
-    log_every, accumulate, last_sent = cfg["tracking"]["log_every_n_steps"], cfg["train"]["accumulate"], -math.inf
+    log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
     for step, batch in enumerate(telemetry.timed(batches), start=1):
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
@@ -264,28 +283,30 @@ def restored_state(device: torch.device) -> dict | None:
         return checkpoint.load(path, "the restored checkpoint", device)
 
 
-def train_batches(cfg: dict, epoch: int, epoch_counter, device: torch.device, world_size: int) -> Iterator[dict]:
+def train_batches(
+    cfg: PipelineConfig, epoch: int, epoch_counter, device: torch.device, world_size: int
+) -> Iterator[dict]:
     """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
     seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
     ray.get(epoch_counter.set.remote(epoch))
     shard = ray.train.get_dataset_shard("train")
-    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg["train"]["seed"] + epoch)
+    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg.train.seed + epoch)
 
 
 def torch_batches(
-    shard, cfg: dict, device: torch.device, world_size: int, training: bool, seed: int | None = None
+    shard, cfg: PipelineConfig, device: torch.device, world_size: int, training: bool, seed: int | None = None
 ) -> Iterator:
     """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
     Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
     validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
     store and to a GPU): the replica scales them (:func:`pipeline.checkpoint.feature_scaler`)."""
-    ingest = cfg["ingest"]
+    ingest = cfg.ingest
     return shard.iter_torch_batches(
-        batch_size=ingest["batch_size"] // world_size,
-        prefetch_batches=ingest["prefetch_batches"],
-        local_shuffle_buffer_size=ingest["local_shuffle_buffer_size"] if training else None,
+        batch_size=ingest.batch_size // world_size,
+        prefetch_batches=ingest.prefetch_batches,
+        local_shuffle_buffer_size=ingest.local_shuffle_buffer_size if training else None,
         local_shuffle_seed=seed,
-        drop_last=ingest["drop_last"] and training,
+        drop_last=ingest.drop_last and training,
         device=device,
     )
 

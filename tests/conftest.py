@@ -131,7 +131,7 @@ def alive(processes: list[psutil.Process]) -> dict[int, str]:
     return running
 
 
-compose_cfg = compose  # the resolved config as the entry point sees it (a plain dict)
+compose_cfg = compose  # the typed config as the entry point hands it to a stage
 
 # One worker and file order (augmentation is seeded per row and epoch): every run of this config computes
 # the same numbers, from local files or S3, straight through or interrupted and resumed.

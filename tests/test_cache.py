@@ -12,7 +12,7 @@ from test_own_data import write_sorted_and_shuffled
 
 from pipeline import build, preprocess, source
 from pipeline.cluster import local_cpus
-from pipeline.config import active_steps
+from pipeline.config import ScalingConfig
 from pipeline.errors import PipelineError
 from transforms import decode_image
 
@@ -22,7 +22,7 @@ def test_deterministic_steps_run_once_and_seeded_augmentation_every_epoch():
     says so; every step after it too. Decoding and resizing run once."""
 
     def split(overrides: list[str], name: str = "train") -> tuple[list[str], list[str]]:
-        once, every_epoch = preprocess.cached_steps(active_steps(compose_cfg(overrides)["transforms"][name]))
+        once, every_epoch = preprocess.cached_steps(compose_cfg(overrides).transforms.active(name))
         return list(once), list(every_epoch)
 
     assert split([]) == (["decode"], ["crop", "flip"])
@@ -36,9 +36,9 @@ def test_deterministic_steps_run_once_and_seeded_augmentation_every_epoch():
 def test_a_local_runtime_lets_preprocessing_use_the_cores_training_waits_on():
     """Logical CPUs: the cores, plus what training reserves, plus one (Ray Data's budget is the rest)."""
     cores = os.cpu_count()
-    assert local_cpus(compose_cfg(["scaling=cpu"])["scaling"]) == cores + 1 + 1  # 2 workers x 0.5 CPU
-    assert local_cpus(compose_cfg(["+experiment=cifar_vit_cpu"])["scaling"]) == cores + 1 + 1
-    assert local_cpus({"num_workers": 3, "resources_per_worker": {"CPU": 2, "GPU": 1}}) == cores + 6 + 1
+    assert local_cpus(compose_cfg(["scaling=cpu"]).scaling) == cores + 1 + 1  # 2 workers x 0.5 CPU
+    assert local_cpus(compose_cfg(["+experiment=cifar_vit_cpu"]).scaling) == cores + 1 + 1
+    assert local_cpus(ScalingConfig(num_workers=3, resources_per_worker={"CPU": 2, "GPU": 1})) == cores + 6 + 1
 
 
 def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit(data_root, ray_runtime):
@@ -72,10 +72,10 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     write_split(tmp_path / "cifar10" / "train", 8, 1, seed=0)
     write_split(tmp_path / "cifar10" / "test", 96, 3, seed=5)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
-    split, steps = source.prepare(cfg["source"])["valid"], cfg["transforms"]["valid"]
-    streamed = rows_of(preprocess.dataset(split, steps, ["image", "label"], cfg["source"]))
+    split, steps = source.prepare(cfg.source)["valid"], cfg.transforms.valid
+    streamed = rows_of(preprocess.dataset(split, steps, ["image", "label"], cfg.source))
     counter = preprocess.EpochCounter.remote()
-    ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg["source"], counter, None, 3200)
+    ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, None, 3200)
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     try:
@@ -97,8 +97,8 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
     import ray
 
     counter = preprocess.EpochCounter.remote()
-    steps = {"decode": cfg["transforms"]["train"]["decode"]}
-    ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg["source"], counter, 0, 3200)
+    steps = {"decode": cfg.transforms.train["decode"]}
+    ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, 0, 3200)
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     passes = []
@@ -118,7 +118,7 @@ def test_the_cached_shuffle_is_new_each_epoch_and_mixes_a_class_sorted_layout(tm
     each file holds one class, the first batch holds many."""
     write_sorted_and_shuffled(tmp_path)
     cfg = compose_cfg([f"source.root={tmp_path / 'sorted'}", "source.download=null"])
-    split = source.prepare(cfg["source"])["train"]
+    split = source.prepare(cfg.source)["train"]
     first, second = epoch_rows(cfg, split, [0, 1])
     (again,) = epoch_rows(cfg, split, [1])
     assert len(first) == 512 and sorted(first) == sorted(second)

@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.checkpoint import amp_plan
 from pipeline.cluster import Runtime, runtime, runtime_env
-from pipeline.config import CONF_DIR, PipelineConfig, TransformSpec, active_steps, validate
+from pipeline.config import CONF_DIR, PipelineConfig, TrainConfig, TransformSpec, validate
 from pipeline.errors import PipelineError
 from pipeline.predict import actor_options
 from pipeline.preflight import check_resources
@@ -24,7 +24,7 @@ from pipeline.trainer import steps_per_epoch, trainer_settings
 
 def test_cifar_vit_is_the_ray_train_tutorial():
     cfg = compose_cfg(["+experiment=cifar_vit"])
-    assert cfg["model"] == {
+    assert cfg.model == {
         "_target_": "torchvision.models.VisionTransformer",
         "image_size": 32,
         "patch_size": 4,
@@ -34,12 +34,12 @@ def test_cifar_vit_is_the_ray_train_tutorial():
         "mlp_dim": 768,
         "num_classes": 10,
     }
-    assert cfg["optim"] == {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 1e-2}
-    assert cfg["train"]["epochs"] == 1 and cfg["ingest"]["batch_size"] == 512
-    assert cfg["scaling"]["use_gpu"] is True and cfg["scaling"]["resources_per_worker"]["GPU"] == 1
+    assert cfg.optim == {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 1e-2}
+    assert cfg.train.epochs == 1 and cfg.ingest.batch_size == 512
+    assert cfg.scaling.use_gpu is True and cfg.scaling.resources_per_worker["GPU"] == 1
     validate(cfg)
     cpu = compose_cfg(["+experiment=cifar_vit", "scaling=cpu"])  # the documented CPU override
-    assert cpu["scaling"]["use_gpu"] is False and cpu["model"] == cfg["model"]
+    assert cpu.scaling.use_gpu is False and cpu.model == cfg.model
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")))
@@ -48,11 +48,12 @@ def test_every_experiment_composes_and_validates(experiment):
     validate(cfg)
     import hydra.utils
 
-    model = hydra.utils.instantiate(cfg["model"]).eval()
-    tabular = "in_channels" in cfg["model"]  # an MLP over a vector of features, else a CNN or ViT over RGB
-    side = ((cfg["transforms"]["train"].get("crop") or {}).get("fn") or {}).get("size", 32)  # what training crops
-    inputs = torch.zeros(2, cfg["model"]["in_channels"]) if tabular else torch.zeros(2, 3, side, side)
-    assert model(inputs).shape == (2, cfg["source"]["num_classes"] or 1)  # classes, or one number
+    model = hydra.utils.instantiate(cfg.model).eval()
+    tabular = "in_channels" in cfg.model  # an MLP over a vector of features, else a CNN or ViT over RGB
+    crop = cfg.transforms.active("train").get("crop")
+    side = crop.fn.get("size", 32) if crop is not None else 32  # what training crops
+    inputs = torch.zeros(2, cfg.model["in_channels"]) if tabular else torch.zeros(2, 3, side, side)
+    assert model(inputs).shape == (2, cfg.source.num_classes or 1)  # classes, or one number
 
 
 NO_DEFAULT = object()
@@ -103,26 +104,26 @@ def test_an_invalid_on_error_is_named_before_anything_runs():
 
 def test_cifar_vit_cpu_is_smaller_and_scheduled():
     cfg = compose_cfg(["+experiment=cifar_vit_cpu"])
-    assert list(active_steps(cfg["transforms"]["train"])) == ["decode", "flip"]
-    assert cfg["model"]["num_layers"] == 4 and cfg["model"]["hidden_dim"] == 128
-    assert cfg["scheduler"]["_target_"] == "torch.optim.lr_scheduler.OneCycleLR"
-    assert cfg["scheduler"]["max_lr"] == cfg["optim"]["lr"]
+    assert list(cfg.transforms.active("train")) == ["decode", "flip"]
+    assert cfg.model["num_layers"] == 4 and cfg.model["hidden_dim"] == 128
+    assert cfg.scheduler["_target_"] == "torch.optim.lr_scheduler.OneCycleLR"
+    assert cfg.scheduler["max_lr"] == cfg.optim["lr"]
 
 
 def test_data_root_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_DIR", "/somewhere")
     cfg = compose_cfg()
-    assert cfg["source"]["train"] == "/somewhere/cifar10/train"
-    assert cfg["source"]["valid"] == "/somewhere/cifar10/test"
+    assert cfg.source.train == "/somewhere/cifar10/train"
+    assert cfg.source.valid == "/somewhere/cifar10/test"
     monkeypatch.delenv("PIPELINE_DATA_DIR")
-    assert compose_cfg()["source"]["train"] == "data/cifar10/train"
+    assert compose_cfg().source.train == "data/cifar10/train"
 
 
 def test_mlflow_uri_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert compose_cfg()["tracking"]["uri"] is None
+    assert compose_cfg().tracking.uri is None
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert compose_cfg()["tracking"]["uri"] == "http://127.0.0.1:5000"
+    assert compose_cfg().tracking.uri == "http://127.0.0.1:5000"
 
 
 @pytest.mark.parametrize("override", ["train.epochs=many", "scaling.use_gpu=maybe", "ingest.batch_size=1.5"])
@@ -182,7 +183,7 @@ def test_validation_names_the_bad_key(overrides, message):
 
 
 def test_gpu_scaling_uses_nccl_and_gpus():
-    scaling, torch_config = trainer_settings(compose_cfg(["scaling=gpu", "scaling.num_workers=4"])["scaling"])
+    scaling, torch_config = trainer_settings(compose_cfg(["scaling=gpu", "scaling.num_workers=4"]).scaling)
     assert scaling.use_gpu is True and scaling.num_workers == 4
     assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1}
     assert torch_config.backend == "nccl"
@@ -200,44 +201,44 @@ def test_placement_is_declared_per_pool():
             "transforms.train.decode.concurrency=3",
         ]
     )
-    scaling, _ = trainer_settings(cfg["scaling"])
+    scaling, _ = trainer_settings(cfg.scaling)
     assert scaling.resources_per_worker == {"CPU": 1, "GPU": 1, "gpu_node": 1}
     assert scaling.label_selector == {"tier": "gpu"}
-    decode = cfg["transforms"]["train"]["decode"]
+    decode = cfg.transforms.train["decode"]
     assert placement(decode) == {"resources": {"cpu_node": 1}, "label_selector": {"tier": "cpu"}}
-    assert read_placement(cfg["transforms"]["train"]) == placement(decode)
-    assert placement(cfg["transforms"]["train"]["crop"]) == {}  # the defaults: anywhere with a free CPU
-    assert trainer_settings(compose_cfg([])["scaling"])[0].label_selector is None
+    assert read_placement(cfg.transforms.train) == placement(decode)
+    assert placement(cfg.transforms.train["crop"]) == {}  # the defaults: anywhere with a free CPU
+    assert trainer_settings(compose_cfg([]).scaling)[0].label_selector is None
 
 
 def test_predict_replicas_take_a_gpu_each_on_gpu_runs():
     gpu = compose_cfg(["scaling=gpu", "predict.concurrency=4", "+predict.resources.gpu_node=1"])
-    options = actor_options(gpu["predict"], gpu["scaling"]["use_gpu"])
+    options = actor_options(gpu.predict, gpu.scaling.use_gpu)
     assert options["num_gpus"] == 1 and options["compute"].max_size == 4 and options["resources"] == {"gpu_node": 1}
     cpu = compose_cfg([])
-    assert actor_options(cpu["predict"], cpu["scaling"]["use_gpu"])["num_gpus"] == 0
+    assert actor_options(cpu.predict, cpu.scaling.use_gpu)["num_gpus"] == 0
     half = compose_cfg(["scaling=gpu", "predict.num_gpus=0.5"])
-    assert actor_options(half["predict"], True)["num_gpus"] == 0.5
+    assert actor_options(half.predict, True)["num_gpus"] == 0.5
 
 
 def test_joining_a_cluster_ships_the_code_and_a_local_runtime_does_not(monkeypatch):
     import pipeline
     import transforms
 
-    local = compose_cfg(["+ray.runtime_env.env_vars.MY_FLAG=1"])["ray"]
-    assert local["address"] is None
-    assert runtime_env(local["address"], local["py_modules"], local["runtime_env"]) == {"env_vars": {"MY_FLAG": "1"}}
+    local = compose_cfg(["+ray.runtime_env.env_vars.MY_FLAG=1"]).ray
+    assert local.address is None
+    assert runtime_env(local.address, local.py_modules, local.runtime_env) == {"env_vars": {"MY_FLAG": "1"}}
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # the standard variable picks the cluster
-    joined = compose_cfg([])["ray"]
-    assert joined["address"] == "10.0.0.5:6379"
-    env = runtime_env(joined["address"], joined["py_modules"], joined["runtime_env"])
+    joined = compose_cfg([]).ray
+    assert joined.address == "10.0.0.5:6379"
+    env = runtime_env(joined.address, joined.py_modules, joined.runtime_env)
     assert env["py_modules"] == [pipeline, transforms]
     with pytest.raises(PipelineError, match="ray.py_modules: cannot import 'my_transformz'"):
         runtime_env("auto", ["my_transformz"], {})
 
 
 def test_cpu_scaling_uses_gloo_and_leaves_cpu_for_data():
-    scaling, torch_config = trainer_settings(compose_cfg(["scaling=cpu"])["scaling"])
+    scaling, torch_config = trainer_settings(compose_cfg(["scaling=cpu"]).scaling)
     assert scaling.use_gpu is False and torch_config.backend == "gloo"
     assert scaling.num_workers * scaling.resources_per_worker["CPU"] < 2  # a core stays free on 2 cores
 
@@ -252,7 +253,7 @@ def test_cpu_scaling_uses_gloo_and_leaves_cpu_for_data():
     ],
 )
 def test_amp_only_on_cuda_and_scaler_only_for_float16(device, amp, dtype, expected):
-    assert amp_plan(device, {"amp": amp, "amp_dtype": dtype}) == expected
+    assert amp_plan(device, TrainConfig(amp=amp, amp_dtype=dtype)) == expected
 
 
 @pytest.mark.parametrize(
@@ -265,7 +266,7 @@ def test_steps_per_epoch_follow_equal_shards(rows, workers, batch, drop_last, st
 
 def wanted(overrides: list[str]) -> Runtime:
     cfg = compose_cfg(overrides)
-    return runtime(cfg["ray"], cfg["scaling"])
+    return runtime(cfg.ray, cfg.scaling)
 
 
 def test_resources_that_fit_pass():

@@ -84,8 +84,8 @@ def the_run(tmp_path: Path):
 
 
 def assert_each_epoch_once(client: MlflowClient, run_id: str, epochs: int) -> None:
-    task = compose()["task"]
-    for key in epoch_metrics(task["type"], task["metrics"]):
+    task = compose().task
+    for key in epoch_metrics(task.type, task.metrics):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(epochs)), key
 
 

@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 
 from pipeline import build, finetune, models, predict, preflight
 from pipeline.build import Job
+from pipeline.config import FinetuneConfig, PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.run import run
 from pipeline.workarounds import global_tracking_uri
@@ -37,7 +38,7 @@ def write_xor(path: Path, rows: int, seed: int, classes: int) -> None:
     pq.write_table(pa.table({**{n: x[:, i] for i, n in enumerate(FEATURES)}, "label": label}), path / "part.parquet")
 
 
-def table_config(root: Path, outputs: Path, classes: int, overrides: list[str]) -> dict:
+def table_config(root: Path, outputs: Path, classes: int, overrides: list[str]) -> PipelineConfig:
     return compose_cfg(
         [
             "+experiment=wine_mlp",
@@ -260,7 +261,7 @@ def test_weights_of_another_model_fail_naming_the_parameters_that_differ(tmp_pat
 
 def test_the_backbone_learns_at_its_scale_of_the_rate_the_optimizer_and_the_schedule_give():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    settings = {"weights": None, "head": [], "freeze": [], "backbone_lr_scale": 0.1}
+    settings = FinetuneConfig(backbone_lr_scale=0.1)
     model[0].bias.requires_grad_(False)  # frozen (finetune.freeze, applied by build_model)
     groups = finetune.param_groups(model, settings)
     assert [len(g["params"]) for g in groups] == [2, 1]  # head: 2.weight, 2.bias; backbone: 0.weight (0.bias frozen)
@@ -272,9 +273,4 @@ def test_the_backbone_learns_at_its_scale_of_the_rate_the_optimizer_and_the_sche
     assert per_group == {"max_lr": [0.5, 0.05]}
     torch.optim.lr_scheduler.OneCycleLR(optimizer, total_steps=10, pct_start=0.5, **per_group)
     assert [g["max_lr"] for g in optimizer.param_groups] == [0.5, 0.05]
-    assert (
-        finetune.scaled_schedule(
-            onecycle, torch.optim.AdamW(finetune.param_groups(model, {**settings, "backbone_lr_scale": 1.0}))
-        )
-        == {}
-    )
+    assert finetune.scaled_schedule(onecycle, torch.optim.AdamW(finetune.param_groups(model, FinetuneConfig()))) == {}

@@ -3,6 +3,7 @@ a declared task, labels checked before training, and what each run records of it
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -20,7 +21,7 @@ from test_pipeline import no_runs_logged, run_cli
 
 from pipeline import datasets, predict, source, tracking
 from pipeline.build import Job
-from pipeline.config import validate
+from pipeline.config import TaskConfig, validate
 from pipeline.errors import PipelineError
 from pipeline.evaluate import per_class, report
 from pipeline.run import run
@@ -208,10 +209,10 @@ def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_ro
         named(tmp_path / "wine" / split)
     args = ["+experiment=wine_mlp", f"source.root={tmp_path}", "source.num_classes=null"]
     cfg = compose_cfg(args)
-    assert cfg["source"]["classes"] == sorted(CULTIVARS) and cfg["model"]["hidden_channels"][-1] == 3
+    assert cfg.source.classes == sorted(CULTIVARS) and cfg.model["hidden_channels"][-1] == 3
     path = with_a_missing_value(tmp_path / "wine" / "valid", "target", row=4, value="nebbiolo")
     with pytest.raises(PipelineError, match=rf"^source.valid: {path} row 4 has label 'nebbiolo' in column 'target', "):
-        source.prepare(cfg["source"])
+        source.prepare(cfg.source)
     with pytest.raises(PipelineError, match=r"source.num_classes is 4, but the labels are names of 3 classes"):
         compose_cfg([*args, "source.num_classes=4"])
 
@@ -225,7 +226,7 @@ def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[byte
 
     counter = preprocess.EpochCounter.remote()
     ray.get(counter.set.remote(epoch))
-    ds = preprocess.dataset(split, {}, ["image", "label"], cfg["source"], counter, shuffle_seed=cfg["train"]["seed"])
+    ds = preprocess.dataset(split, {}, ["image", "label"], cfg.source, counter, shuffle_seed=cfg.train.seed)
     rows = [(row["image"], row["label"]) for row in ds.take_all()]
     ray.kill(counter)
     return rows
@@ -235,7 +236,7 @@ def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path,
     """Seeded by train.seed and the epoch only: a resumed run (a new dataset) repeats epoch N exactly."""
     write_sorted_and_shuffled(tmp_path)
     cfg = compose_cfg([f"source.root={tmp_path / 'sorted'}", "source.download=null", "source.limit=null"])
-    split = source.prepare(cfg["source"])["train"]
+    split = source.prepare(cfg.source)["train"]
     first, second, again = (shuffled_rows(cfg, split, epoch) for epoch in (0, 1, 1))
     stored = pq.read_table(split.files)
     assert sorted(first) == sorted(zip(stored["image"].to_pylist(), stored["label"].to_pylist()))
@@ -278,10 +279,10 @@ def test_task_metrics_match_their_definitions():
     outputs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.1, 0.4], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
     labels = torch.tensor([1, 2, 0, 0])
     loss = {"_target_": "torch.nn.CrossEntropyLoss"}
-    task = Task({"type": "classification", "loss": loss, "metrics": ["accuracy", "top2_accuracy"]})
+    task = Task(TaskConfig("classification", loss, ["accuracy", "top2_accuracy"]))
     sums = task.sums(outputs, labels)
     assert sums["accuracy"].item() == 2 and sums["top2_accuracy"].item() == 3  # row 3: label 0 is third
-    regression = Task({"type": "regression", "loss": {"_target_": "torch.nn.HuberLoss"}, "metrics": ["mae", "rmse"]})
+    regression = Task(TaskConfig("regression", {"_target_": "torch.nn.HuberLoss"}, ["mae", "rmse"]))
     predicted, actual = torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([1.0, 4.0, 1.0], dtype=torch.float64)
     sums = regression.sums(predicted, actual)
     assert regression.metrics["mae"].value(sums["mae"].item(), 3) == pytest.approx(5 / 3)
@@ -309,14 +310,15 @@ def test_a_model_no_better_than_a_constant_prediction_is_named_with_the_constant
 
 def test_the_task_sets_the_metric_names_and_what_is_optimized():
     regression = compose_cfg(["+experiment=diabetes_mlp"])
-    assert regression["optimized_metric"] == "val_mae" and regression["task"]["metrics"] == ["mae", "rmse"]
-    validate({**regression, "train": {**regression["train"], "checkpoint_metric": "val_rmse"}})
+    assert regression.optimized_metric == "val_mae" and regression.task.metrics == ["mae", "rmse"]
+    regression.train.checkpoint_metric = "val_rmse"
+    validate(regression)
     top5 = compose_cfg(["task.metrics=[accuracy,top5_accuracy]", "optimized_metric=val_top5_accuracy"])
     validate(top5)
     with pytest.raises(PipelineError, match="task.metrics: 'mae' is not a classification metric"):
         validate(compose_cfg(["task.metrics=[mae]"]))
     with pytest.raises(PipelineError, match="optimized_metric must be one of .*val_mae"):
-        validate({**regression, "optimized_metric": "val_accuracy"})
+        validate(dataclasses.replace(regression, optimized_metric="val_accuracy"))
 
 
 def test_runs_on_different_data_record_different_dataset_digests(tmp_path):

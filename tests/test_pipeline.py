@@ -242,7 +242,7 @@ def test_the_quick_start_recipe_learns(tmp_path, data_root, ray_runtime, monkeyp
     losses = [
         m.value for m in sorted(client.get_metric_history(run_info.info.run_id, "train_loss"), key=lambda m: m.step)
     ]
-    assert len(losses) == cfg["train"]["epochs"] and losses[-1] < 0.7 * losses[0], losses
+    assert len(losses) == cfg.train.epochs and losses[-1] < 0.7 * losses[0], losses
     assert metrics["val_accuracy"] >= 0.4, metrics
     assert "pipeline.no_learning" not in run_info.data.tags
 

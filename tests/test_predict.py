@@ -85,18 +85,18 @@ def test_predictions_go_to_a_new_or_empty_directory(tmp_path):
 def test_a_replica_predicts_what_the_model_does_on_normalized_pixels(ray_runtime):
     cfg = compose_cfg(["+experiment=smoke"])
     torch.manual_seed(0)
-    model = instantiate(cfg["model"], _convert_="all").eval()
+    model = instantiate(cfg.model, _convert_="all").eval()
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
     predictor = Predictor(
-        cfg["model"],
-        cfg["task"],
+        cfg.model,
+        cfg.task,
         [ray.put(model.state_dict())],
-        cfg["ingest"]["normalize"],
+        cfg.ingest.normalize,
         None,
         "image",
         "label",
         use_gpu=False,
-        train_cfg=cfg["train"],
+        train_cfg=cfg.train,
     )
     out = predictor({"image": pixels, "label": np.arange(8), "path": np.array(["f.parquet"] * 8)})
     with torch.no_grad():

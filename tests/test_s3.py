@@ -22,6 +22,7 @@ from conftest import AWS_SECRET, DETERMINISTIC, compose_cfg, free_port, wait_for
 from test_fault_tolerance import assert_all_gone, assert_each_epoch_once, interrupt_after_first_epoch, the_run
 from test_pipeline import run_cli
 
+from pipeline.config import SourceConfig
 from pipeline.errors import PipelineError
 from pipeline.filesystems import make_dir
 from pipeline.source import prepare
@@ -47,7 +48,7 @@ def s3_endpoint(data_root):
     server.stop()
 
 
-def s3_source(endpoint: str, root: str, *overrides: str) -> dict:
+def s3_source(endpoint: str, root: str, *overrides: str) -> SourceConfig:
     return compose_cfg(
         [
             "source=s3",
@@ -57,7 +58,7 @@ def s3_source(endpoint: str, root: str, *overrides: str) -> dict:
             "source.s3.region=us-east-1",
             *overrides,
         ]
-    )["source"]
+    ).source
 
 
 def files_containing(root: Path, needle: bytes) -> list[str]:
@@ -199,9 +200,9 @@ def test_unreachable_endpoint_fails_within_its_timeouts(server):
 
 
 def test_storage_in_a_missing_bucket_fails_before_training(s3_endpoint):
-    storage = compose_cfg([f"storage.s3.endpoint_url={s3_endpoint}"])["storage"]
+    storage = compose_cfg([f"storage.s3.endpoint_url={s3_endpoint}"]).storage
     with pytest.raises(PipelineError, match=r"storage.path: cannot read s3://nobucket/runs: the bucket does not exist"):
-        make_dir("s3://nobucket/runs", storage["s3"], "storage.path")
+        make_dir("s3://nobucket/runs", storage.s3, "storage.path")
 
 
 @pytest.fixture(scope="module")

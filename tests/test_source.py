@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow.fs as pafs
 import pytest
 from conftest import compose_cfg, write_split
 
+from pipeline.config import SourceConfig
 from pipeline.errors import PipelineError
 from pipeline.source import check_split, parquet_files, prepare
 
@@ -13,8 +16,8 @@ LOCAL = pafs.LocalFileSystem()
 COLUMNS = ["image", "label"]
 
 
-def source_cfg(root, *overrides: str) -> dict:
-    return compose_cfg([f"source.root={root}", "source.download=null", *overrides])["source"]
+def source_cfg(root, *overrides: str) -> SourceConfig:
+    return compose_cfg([f"source.root={root}", "source.download=null", *overrides]).source
 
 
 def test_directory_glob_and_file_name_the_same_files(data_root):
@@ -59,4 +62,4 @@ def test_offline_download_fails_with_a_clear_message(tmp_path):
     """Port 9 on loopback refuses at once: the same path as a machine without internet."""
     download = {"_target_": "pipeline.datasets.download_cifar10", "url": "http://127.0.0.1:9/cifar-10-python.tar.gz"}
     with pytest.raises(PipelineError, match=r"CIFAR-10 is not at .*downloading it .* failed.*PIPELINE_DATA_DIR"):
-        prepare({**source_cfg(tmp_path), "download": download})
+        prepare(dataclasses.replace(source_cfg(tmp_path), download=download))

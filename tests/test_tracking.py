@@ -27,9 +27,9 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     assert run.data.params["ray.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY"] == "***"
     assert run.data.tags[runs.OVERRIDES_TAG] == "tracking.uri=https://alice:***@mlflow.example.com"
     logged = tracking.logged_config(client, run_id)
-    assert logged["tracking"]["uri"] == "https://alice:***@mlflow.example.com"
-    assert logged["ray"]["runtime_env"]["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "***"}
-    assert logged["model"] == cfg["model"]  # what the predict stage rebuilds the model from
+    assert logged.tracking.uri == "https://alice:***@mlflow.example.com"
+    assert logged.ray.runtime_env["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "***"}
+    assert logged.model == cfg.model  # what the predict stage rebuilds the model from
     stored = (tmp_path / "mlflow.db").read_bytes() + (tmp_path / "artifacts").joinpath(
         run_id, "artifacts", "config.yaml"
     ).read_bytes()

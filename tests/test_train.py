@@ -11,18 +11,19 @@ import torch.multiprocessing
 from conftest import free_port
 
 from pipeline.checkpoint import autocast_settings
+from pipeline.config import PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.early_stop import EarlyStopping
 from pipeline.metrics import epoch_metrics
 from pipeline.source import Layout
 from pipeline.task import Task
 from pipeline.worker import Replica, evaluate, prefetched, train_epoch
 
-CLASSIFY = {"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": ["accuracy"]}
+CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 
 
 def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):
     """A worker's Replica around ``model`` as Replica.build makes it, minus Ray Train's prepare_model."""
-    autocast, scaler = autocast_settings(torch.device("cpu"), {"amp": False, "amp_dtype": "bfloat16"})
+    autocast, scaler = autocast_settings(torch.device("cpu"), TrainConfig())
     layout = Layout(["x"], "x", "y", stacked=False)
     params = model.parameters()
     return Replica(
@@ -40,8 +41,8 @@ def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_cli
     )
 
 
-def epoch_cfg(accumulate: int = 1) -> dict:
-    return {"tracking": {"log_every_n_steps": 0}, "train": {"accumulate": accumulate}}
+def epoch_cfg(accumulate: int = 1) -> PipelineConfig:
+    return PipelineConfig(tracking=TrackingConfig(log_every_n_steps=0), train=TrainConfig(accumulate=accumulate))
 
 
 def weights(model: torch.nn.Module) -> torch.Tensor:
@@ -79,20 +80,20 @@ def test_prefetched_passes_an_empty_stream_and_errors_through():
 @pytest.mark.parametrize(
     "task",
     [
-        {"type": "classification", "loss": {"_target_": "torch.nn.CrossEntropyLoss"}, "metrics": ["top2_accuracy"]},
-        {"type": "regression", "loss": {"_target_": "torch.nn.MSELoss"}, "metrics": ["mae", "rmse"]},
+        TaskConfig("classification", {"_target_": "torch.nn.CrossEntropyLoss"}, ["top2_accuracy"]),
+        TaskConfig("regression", {"_target_": "torch.nn.MSELoss"}, ["mae", "rmse"]),
     ],
 )
 def test_an_epoch_reports_exactly_the_declared_metrics(task):
     """What train_epoch and evaluate return is what pipeline.metrics declares, so the tracker, which logs
     the declared names, drops nothing and misses nothing (outside a process group: one worker)."""
     torch.manual_seed(0)
-    outputs = 3 if task["type"] == "classification" else 1
+    outputs = 3 if task.type == "classification" else 1
     replica = replica_of(torch.nn.Linear(4, outputs), task)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
     metrics = train_epoch(replica, batches, epoch_cfg(), 0, 3, None) | evaluate(replica, batches)
-    assert set(metrics) == set(epoch_metrics(task["type"], task["metrics"]))
+    assert set(metrics) == set(epoch_metrics(task.type, task.metrics))
     assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
     assert all(value == value for value in metrics.values())  # no NaN
 

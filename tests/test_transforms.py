@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -303,8 +305,8 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
     from pipeline.preprocess import EpochCounter, apply
 
     pixels = images(64)
-    flip = compose_cfg([])["transforms"]["train"]["flip"]
-    steps = {"flip": {**flip, "fn": {**flip["fn"], "seed": 3}, "batch_size": 16}}
+    flip = compose_cfg([]).transforms.train["flip"]
+    steps = {"flip": dataclasses.replace(flip, fn={**flip.fn, "seed": 3}, batch_size=16)}
 
     def flipped_rows(ds) -> list[int]:
         out = np.concatenate([b["image"] for b in ds.iter_batches(batch_size=None)])
@@ -354,7 +356,7 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     raw = torch.cat([b["image"] for b in out])
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))  # scaled by the replica
-    images = feature_scaler(cfg["ingest"]["normalize"], None, torch.device("cpu"))(raw)
+    images = feature_scaler(cfg.ingest.normalize, None, torch.device("cpu"))(raw)
     assert images.dtype == torch.float32
     torch.testing.assert_close(images[:, :, 0], torch.tensor([expected] * 5, dtype=torch.float32))
     assert feature_scaler(None, None, torch.device("cpu"))(raw) is raw
@@ -377,10 +379,10 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
     (batch,) = torch_batches(ds, cfg, torch.device("cpu"), 1, training=False)
     assert torch.equal(batch["features"], torch.from_numpy(features))  # scaled by the replica
-    scaled = feature_scaler(cfg["ingest"]["normalize"], statistics, torch.device("cpu"))(batch["features"])
+    scaled = feature_scaler(cfg.ingest.normalize, statistics, torch.device("cpu"))(batch["features"])
     expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]
     torch.testing.assert_close(scaled, torch.tensor(expected, dtype=torch.float32))
-    unscaled = feature_scaler(cfg["ingest"]["normalize"], None, torch.device("cpu"))(batch["features"])
+    unscaled = feature_scaler(cfg.ingest.normalize, None, torch.device("cpu"))(batch["features"])
     assert torch.equal(unscaled, torch.from_numpy(features))  # normalize is for uint8 pixels only
 
 
@@ -458,10 +460,10 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "shifted.yaml").write_text(SHIFTED)
     cfg = compose_cfg([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=shifted"])
-    assert list(cfg["transforms"]["valid"]) == ["decode", "shift"]
+    assert list(cfg.transforms.valid) == ["decode", "shift"]
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
-    out = preprocess.apply(ds, cfg["transforms"]["valid"], ["image", "label"]).take_all()
+    out = preprocess.apply(ds, cfg.transforms.valid, ["image", "label"]).take_all()
     decoded = decode_image({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
     expected = decoded["image"] + 10
     np.testing.assert_array_equal(np.stack([row["image"] for row in out]), expected)
@@ -489,8 +491,8 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
     write_split(tmp_path / "cifar10" / "train", 64, files, seed=0)
     write_split(tmp_path / "cifar10" / "test", 16, 1, seed=0)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null", f"source.task_per_file={task_per_file}"])
-    split = source.prepare(cfg["source"])["train"]
-    ds = preprocess.dataset(split, cfg["transforms"]["train"], ["image", "label"], cfg["source"])
+    split = source.prepare(cfg.source)["train"]
+    ds = preprocess.dataset(split, cfg.transforms.train, ["image", "label"], cfg.source)
     rows = ds.take_all()
     assert len(rows) == 64 and rows[0]["image"].dtype == np.uint8
     executed = [line.split(" ", 2)[2] for line in ds.stats().splitlines() if line.startswith("Operator ")]

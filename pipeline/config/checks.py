@@ -1,6 +1,6 @@
-"""Checks of a composed, resolved config for what the schema cannot express: unknown keys added with
-``+key=value``, values out of range, settings that contradict each other, the task's metrics. All run
-on the driver before Ray starts.
+"""The composed config made typed (:func:`load`, once, at the entry point), and the checks of what the schema
+cannot express: unknown keys added with ``+key=value``, values out of range, settings that contradict each
+other, the task's metrics. All run on the driver before Ray starts.
 """
 
 from __future__ import annotations
@@ -10,15 +10,31 @@ import difflib
 import typing
 from typing import Any
 
-from pipeline.config.schema import PipelineConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.config.schema import PipelineConfig, SourceConfig, TaskConfig
 from pipeline.config.targets import check_target
 from pipeline.errors import PipelineError
 from pipeline.metrics import TASK_CHOICES, epoch_metrics, task_metric
 
 
-def active_steps(steps: dict[str, dict | None]) -> dict[str, dict]:
-    """The transform steps of one split, without those set to null (dropped by an overlay)."""
-    return {name: spec for name, spec in steps.items() if spec is not None}
+def load(composed: DictConfig) -> PipelineConfig:
+    """The composed config, resolved, as the schema's objects (``cfg.train.epochs``): what every stage is
+    handed. Keys the schema lacks (added with ``+key=value``) fail here, naming the closest one; a config
+    that is not typed yet (a run's logged one, a plain mapping) is merged onto the schema first."""
+    check_keys(OmegaConf.to_container(composed, resolve=True), PipelineConfig)
+    if OmegaConf.get_type(composed) is not PipelineConfig:
+        composed = OmegaConf.merge(OmegaConf.structured(PipelineConfig), composed)
+    return OmegaConf.to_object(composed)
+
+
+def logged(config: dict, where: str) -> PipelineConfig:
+    """A run's logged config (its ``config.yaml``) as the schema's objects, to rebuild its model and task."""
+    try:
+        return load(OmegaConf.create(config))
+    except (OmegaConfBaseException, PipelineError) as err:
+        raise PipelineError(f"{where}: its logged config.yaml does not fit this pipeline's schema ({err}).") from err
 
 
 def _require(ok: bool, message: str) -> None:
@@ -52,157 +68,153 @@ def check_keys(node: dict, schema: type, path: str = "") -> None:
                         check_keys(item, item_type, f"{path}{key}.{name}.")
 
 
-def validate(cfg: dict) -> None:
-    """Check a resolved config (a plain dict) for what the schema cannot express: its values, then
-    its pluggable parts."""
+def validate(cfg: PipelineConfig) -> None:
+    """Check a typed config for what the schema cannot express: its values, then its pluggable parts."""
     check_values(cfg)
     check_targets(cfg)
 
 
-def check_targets(cfg: dict) -> None:
+def check_targets(cfg: PipelineConfig) -> None:
     """Import the model's, loss's, optimizer's and scheduler's ``_target_`` and check their arguments bind
     (transforms are checked with the values, ``source.download`` where it runs). The imports are
     what costs here (the model's: torchvision), so a run does this while Ray starts."""
-    check_target(cfg["model"], "model")
-    check_target(cfg["task"]["loss"], "task.loss")
-    check_target(cfg["optim"], "optim", runtime_args=("params",))
-    if cfg["scheduler"] is not None:
-        check_target(cfg["scheduler"], "scheduler", runtime_args=("optimizer", "total_steps"))
+    check_target(cfg.model, "model")
+    check_target(cfg.task.loss, "task.loss")
+    check_target(cfg.optim, "optim", runtime_args=("params",))
+    if cfg.scheduler is not None:
+        check_target(cfg.scheduler, "scheduler", runtime_args=("optimizer", "total_steps"))
 
 
-def check_task(task: dict, source: dict) -> None:
+def check_task(task: TaskConfig, source: SourceConfig) -> None:
     """The task type and its metrics, the label's class count, and the feature column's form."""
     _require(
-        task["type"] in TASK_CHOICES,
-        f"task.type must be one of {', '.join(TASK_CHOICES)}, got {task['type']!r}.",
+        task.type in TASK_CHOICES,
+        f"task.type must be one of {', '.join(TASK_CHOICES)}, got {task.type!r}.",
     )
-    for name in task["metrics"]:
+    for name in task.metrics:
         _require(
-            task_metric(task["type"], name) is not None,
-            f"task.metrics: {name!r} is not a {task['type']} metric; choose from {TASK_CHOICES[task['type']]}.",
+            task_metric(task.type, name) is not None,
+            f"task.metrics: {name!r} is not a {task.type} metric; choose from {TASK_CHOICES[task.type]}.",
         )
-    _require(len(task["metrics"]) >= 1, "task.metrics needs at least one metric.")
-    classes = source["num_classes"]
+    _require(len(task.metrics) >= 1, "task.metrics needs at least one metric.")
+    classes = source.num_classes
     _require(classes is None or classes >= 2, f"source.num_classes must be >= 2 or null, got {classes}.")
-    features = source["feature_column"]
+    features = source.feature_column
     _require(
         isinstance(features, str)
         or (isinstance(features, list) and features and all(isinstance(f, str) for f in features)),
         f"source.feature_column must be a column name or a non-empty list of column names, got {features!r}.",
     )
-    on_missing = source["on_missing"]
+    on_missing = source.on_missing
     _require(
         on_missing in ("raise", "drop", "mean"),
         f"source.on_missing must be raise, drop or mean, got {on_missing!r}.",
     )
 
 
-def check_values(cfg: dict) -> None:
-    """Unknown keys, values out of range and the transforms' ``_target_`` (cheap to import, and a
-    bad argument there, such as ``on_error``, should fail before Ray starts): everything but the
-    model's, optimizer's and scheduler's imports."""
-    check_keys(cfg, PipelineConfig)
+def check_values(cfg: PipelineConfig) -> None:
+    """Values out of range and the transforms' ``_target_`` (cheap to import, and a bad argument there,
+    such as ``on_error``, should fail before Ray starts): everything but the model's, optimizer's and
+    scheduler's imports."""
     for split in ("train", "valid"):
-        for name, spec in active_steps(cfg["transforms"][split]).items():
+        for name, spec in cfg.transforms.active(split).items():
             key = f"transforms.{split}.{name}.fn"
-            check_target(spec["fn"], key, runtime_args=("batch",), class_runtime_args=())
-            _require(spec["num_cpus"] >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
+            check_target(spec.fn, key, runtime_args=("batch",), class_runtime_args=())
+            _require(spec.num_cpus >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
             _require(
-                spec["batch_size"] is None or spec["batch_size"] > 0,
+                spec.batch_size is None or spec.batch_size > 0,
                 f"transforms.{split}.{name}.batch_size must be > 0 or null.",
             )
             _require(
-                spec["concurrency"] is None or spec["concurrency"] >= 1,
+                spec.concurrency is None or spec.concurrency >= 1,
                 f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
             )
-    check_task(cfg["task"], cfg["source"])
-    metrics = list(epoch_metrics(cfg["task"]["type"], cfg["task"]["metrics"]))
+    check_task(cfg.task, cfg.source)
+    metrics = list(epoch_metrics(cfg.task.type, cfg.task.metrics))
     _require(
-        cfg["optimized_metric"] in metrics,
-        f"optimized_metric must be one of {', '.join(metrics)}, got {cfg['optimized_metric']!r}.",
+        cfg.optimized_metric in metrics,
+        f"optimized_metric must be one of {', '.join(metrics)}, got {cfg.optimized_metric!r}.",
     )
-    scaling, ingest, train = cfg["scaling"], cfg["ingest"], cfg["train"]
+    scaling, ingest, train = cfg.scaling, cfg.ingest, cfg.train
     _require(
-        cfg["source"]["on_missing"] != "mean" or ingest["standardize"],
+        cfg.source.on_missing != "mean" or ingest.standardize,
         "source.on_missing=mean fills in the training mean that ingest.standardize computes: set "
         "ingest.standardize=true, or use source.on_missing=drop.",
     )
-    _require(train["epochs"] >= 1, f"train.epochs must be >= 1, got {train['epochs']}.")
+    _require(train.epochs >= 1, f"train.epochs must be >= 1, got {train.epochs}.")
     _require(
-        train["checkpoint_metric"] in (None, *metrics),
-        f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train['checkpoint_metric']!r}.",
+        train.checkpoint_metric in (None, *metrics),
+        f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train.checkpoint_metric!r}.",
     )
     _require(
-        train["checkpoint_mode"] in (None, "max", "min"),
-        f"train.checkpoint_mode must be max, min or null, got {train['checkpoint_mode']!r}.",
+        train.checkpoint_mode in (None, "max", "min"),
+        f"train.checkpoint_mode must be max, min or null, got {train.checkpoint_mode!r}.",
     )
-    _require(train["accumulate"] >= 1, f"train.accumulate must be >= 1, got {train['accumulate']}.")
-    tracking = cfg["tracking"]
+    _require(train.accumulate >= 1, f"train.accumulate must be >= 1, got {train.accumulate}.")
+    tracking = cfg.tracking
     _require(
-        tracking["register_as"] is None or tracking["log_model"],
+        tracking.register_as is None or tracking.log_model,
         "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
     )
     _require(
-        not train["evaluate"] or tracking["log_model"],
+        not train.evaluate or tracking.log_model,
         "train.evaluate evaluates the run's logged model: set tracking.log_model=true too.",
     )
-    scale = cfg["finetune"]["backbone_lr_scale"]
+    scale = cfg.finetune.backbone_lr_scale
     _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
     _require(
-        train["grad_clip"] is None or train["grad_clip"] > 0,
-        f"train.grad_clip must be > 0 or null, got {train['grad_clip']}.",
+        train.grad_clip is None or train.grad_clip > 0,
+        f"train.grad_clip must be > 0 or null, got {train.grad_clip}.",
     )
     _require(
-        train["on_nonfinite"] in ("raise", "skip"),
-        f"train.on_nonfinite must be raise or skip, got {train['on_nonfinite']!r}.",
+        train.on_nonfinite in ("raise", "skip"),
+        f"train.on_nonfinite must be raise or skip, got {train.on_nonfinite!r}.",
     )
-    stop = train["early_stop"]
+    stop = train.early_stop
     _require(
-        stop["patience"] is None or stop["patience"] >= 1,
-        f"train.early_stop.patience must be >= 1 or null, got {stop['patience']}.",
+        stop.patience is None or stop.patience >= 1,
+        f"train.early_stop.patience must be >= 1 or null, got {stop.patience}.",
     )
     _require(
-        stop["metric"] in (None, *metrics),
-        f"train.early_stop.metric must be null or one of {', '.join(metrics)}, got {stop['metric']!r}.",
+        stop.metric in (None, *metrics),
+        f"train.early_stop.metric must be null or one of {', '.join(metrics)}, got {stop.metric!r}.",
     )
-    _require(stop["min_delta"] >= 0, f"train.early_stop.min_delta must be >= 0, got {stop['min_delta']}.")
-    _require(train["max_failures"] >= -1, f"train.max_failures must be >= -1, got {train['max_failures']}.")
+    _require(stop.min_delta >= 0, f"train.early_stop.min_delta must be >= 0, got {stop.min_delta}.")
+    _require(train.max_failures >= -1, f"train.max_failures must be >= -1, got {train.max_failures}.")
     _require(
-        not train["resume"] or cfg["tracking"]["run_name"],
+        not train.resume or cfg.tracking.run_name,
         "train.resume=true needs tracking.run_name: the name of the run to continue.",
     )
     _require(
-        train["amp_dtype"] in ("bfloat16", "float16"),
-        f"train.amp_dtype must be bfloat16 or float16, got {train['amp_dtype']!r}.",
+        train.amp_dtype in ("bfloat16", "float16"),
+        f"train.amp_dtype must be bfloat16 or float16, got {train.amp_dtype!r}.",
     )
+    _require(ingest.cache in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest.cache!r}.")
+    _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
+    _require(scaling.num_workers >= 1, f"scaling.num_workers must be >= 1, got {scaling.num_workers}.")
+    _require(ingest.batch_size >= 1, f"ingest.batch_size must be >= 1, got {ingest.batch_size}.")
+    normalize = ingest.normalize
     _require(
-        ingest["cache"] in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest['cache']!r}."
-    )
-    _require(0 < ingest["cache_share"] <= 1, f"ingest.cache_share must be in (0, 1], got {ingest['cache_share']}.")
-    _require(scaling["num_workers"] >= 1, f"scaling.num_workers must be >= 1, got {scaling['num_workers']}.")
-    _require(ingest["batch_size"] >= 1, f"ingest.batch_size must be >= 1, got {ingest['batch_size']}.")
-    normalize = ingest["normalize"]
-    _require(
-        normalize is None or (len(normalize["mean"]) == len(normalize["std"]) and min(normalize["std"]) > 0),
+        normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),
         f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
     )
     _require(
-        ingest["batch_size"] % scaling["num_workers"] == 0,
-        f"ingest.batch_size ({ingest['batch_size']}) is the global batch and must divide evenly "
-        f"among scaling.num_workers ({scaling['num_workers']}).",
+        ingest.batch_size % scaling.num_workers == 0,
+        f"ingest.batch_size ({ingest.batch_size}) is the global batch and must divide evenly "
+        f"among scaling.num_workers ({scaling.num_workers}).",
     )
-    for key, s3 in (("source.s3", cfg["source"]["s3"]), ("storage.s3", cfg["storage"]["s3"])):
-        _require(s3["max_attempts"] >= 1, f"{key}.max_attempts must be >= 1, got {s3['max_attempts']}.")
-        _require(s3["connect_timeout_s"] > 0 and s3["request_timeout_s"] > 0, f"{key}: timeouts must be > 0.")
-    limit = cfg["source"]["limit"]
+    for key, s3 in (("source.s3", cfg.source.s3), ("storage.s3", cfg.storage.s3)):
+        _require(s3.max_attempts >= 1, f"{key}.max_attempts must be >= 1, got {s3.max_attempts}.")
+        _require(s3.connect_timeout_s > 0 and s3.request_timeout_s > 0, f"{key}: timeouts must be > 0.")
+    limit = cfg.source.limit
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
     _require(
-        cfg["stage"] in ("train", "predict", "evaluate"),
-        f"stage must be train, predict or evaluate, got {cfg['stage']!r}.",
+        cfg.stage in ("train", "predict", "evaluate"),
+        f"stage must be train, predict or evaluate, got {cfg.stage!r}.",
     )
-    predict = cfg["predict"]
+    predict = cfg.predict
     _require(
-        predict["batch_size"] >= 1 and predict["concurrency"] >= 1,
+        predict.batch_size >= 1 and predict.concurrency >= 1,
         "predict.batch_size and predict.concurrency must be >= 1.",
     )
 

@@ -72,6 +72,11 @@ class TransformsConfig:
     train: dict[str, Optional[TransformSpec]] = field(default_factory=dict)  # null drops a step
     valid: dict[str, Optional[TransformSpec]] = field(default_factory=dict)
 
+    def active(self, split: str) -> dict[str, TransformSpec]:
+        """A split's steps (train or valid, which predict's rows go through too), without those an overlay dropped."""
+        steps = self.valid if split == "valid" else self.train
+        return {name: spec for name, spec in steps.items() if spec is not None}
+
 
 @dataclass
 class EarlyStopConfig:
