@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("ingest.py", "train.py", "sweep_overhead.py", "tune_sweep.py")
+SCRIPTS = ("ingest.py", "train.py", "step.py", "sweep_overhead.py", "tune_sweep.py")
 
 if __name__ == "__main__":
     for script in SCRIPTS:

@@ -83,13 +83,18 @@ def sorted_copy(root: Path) -> Path:
 
 
 def model_alone(
-    cfg: PipelineConfig, images: torch.Tensor, labels: torch.Tensor, steps: int = 100, repeats: int = 5
+    cfg: PipelineConfig,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int = 100,
+    repeats: int = 5,
+    torch_threads: int = 1,
 ) -> int:
-    """Samples/s of the model's training step on one batch held in memory, on one thread (the training
-    worker's share), the best of ``repeats`` (the plain loop's workers may still be exiting): the most
-    either side could reach if feeding cost nothing."""
+    """Samples/s of the model's training step on one batch held in memory, on ``torch_threads`` threads (one:
+    the training worker's share here), the best of ``repeats`` (the plain loop's workers may still be
+    exiting): the most either side could reach if feeding cost nothing."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads)
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     rates = []

@@ -198,7 +198,7 @@ def test_per_class_figures_match_a_hand_count():
     assert [r["f1"] for r in rows] == pytest.approx([0.5, 0.8, 0.0])  # c: never predicted, never found
     rows = pa.table({"label": [0, 1, 7], "prediction": [0, 1, 1]})  # 7: no class of a 3-class model
     with pytest.raises(PipelineError, match="predict.source has label.s. 7 in column 'label', which the model's"):
-        report(None, "unused", rows, "label", {"type": "classification"}, [0, 1, 2])
+        report(None, "unused", rows, "label", TaskConfig(), [0, 1, 2])
 
 
 def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_row(tmp_path):
