@@ -232,7 +232,7 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
 @pytest.mark.slow
 def test_the_quick_start_recipe_learns(tmp_path, data_root, ray_runtime, monkeypatch):
     """On learnable generated data (each image's brightness follows its label), the quick-start
-    experiment's recipe (cifar_vit_cpu: one-cycle schedule, one worker with both torch threads, flips)
+    experiment's recipe (cifar_vit_cpu: one-cycle schedule, two single-threaded DDP workers, flips)
     lowers the training loss and beats chance (0.1) on validation by a clear margin."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     cfg = compose_cfg(["+experiment=cifar_vit_cpu", f"paths.outputs={tmp_path / 'outputs'}", *LEARNS])
