@@ -54,7 +54,11 @@ def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:
 
 
 UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
-UI_VIEW = "workflowType=machine_learning"  # the UI's "Model training" view (it opens in its GenAI one)
+# What the experiment holds: MLflow lists it as "Machine learning". MLflow 3.17.2's UI still opens every
+# experiment in its GenAI view (it takes the view from the URL, else the browser's last choice, and reads this
+# tag only without its GenAI / Model training switch), so links carry the view (the browser test pins it).
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+UI_VIEW = "workflowType=machine_learning"  # the UI's "Model training" view
 
 
 def run_link(uri: str, run_id: str) -> str:
@@ -87,13 +91,17 @@ def experiment_choice(choices) -> str:
 
 
 def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
-    """The experiment's id, created on first use; with the embedded SQLite store its artifacts go
-    beside the store in ``<outputs>/mlartifacts``."""
+    """The experiment's id, created on first use, of the kind the UI opens on its runs (an older one
+    without a kind gets it); with the embedded SQLite store its artifacts go beside the store in
+    ``<outputs>/mlartifacts``."""
+    kind, training = EXPERIMENT_KIND
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if kind not in found.tags:
+            client.set_experiment_tag(found.experiment_id, kind, training)
         return found.experiment_id
     artifacts = (Path(outputs).resolve() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-    return client.create_experiment(name, artifact_location=artifacts)
+    return client.create_experiment(name, artifact_location=artifacts, tags={kind: training})
 
 
 @dataclass

@@ -14,6 +14,8 @@ from conftest import free_port, wait_for_port
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
+from pipeline.runs import UI_VIEW
+
 GRID = [
     "-m",
     "+experiment=smoke",
@@ -184,9 +186,10 @@ def mlflow_ui(grid_sweep):
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
 def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_path):
-    """The link the run's last console line gives opens the run in the UI's "Model training" view (MLflow
-    3.17 opens in its GenAI one), with its metrics, charts and registered model; the experiment's table
-    shows the sweep."""
+    """The link the run's last console line gives opens the run in the UI's "Model training" view, with its
+    metrics, charts and registered model; the experiment's table shows the sweep. The experiment carries
+    the experiment-kind tag, yet MLflow 3.17.2 opens its plain URL in the GenAI view: the canary of the
+    view the links carry (``runs.UI_VIEW``)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
@@ -199,9 +202,8 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_
     child = next(r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" in r.data.tags)
     output = grid_sweep[1].stdout + grid_sweep[1].stderr
     (link,) = re.findall(r"see it with `mlflow ui --backend-store-uri \S+` at (http://127.0.0.1:5000/\S+)", output)
-    assert link.endswith(
-        f"#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}?workflowType=machine_learning"
-    )
+    assert link.endswith(f"#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}?{UI_VIEW}")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
@@ -234,10 +236,13 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_
         charts = text()
         driver.save_screenshot(str(tmp_path / "charts.png"))
 
-        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning")  # the table
+        driver.get(f"{url}/#/experiments/{experiment.experiment_id}/runs?{UI_VIEW}")  # the table
         wait.until(lambda d: parent.info.run_name in text())
         table = text()
         driver.save_screenshot(str(tmp_path / "experiment.png"))
+        driver.get(f"{url}/#/experiments/{experiment.experiment_id}")  # the plain URL, the tag notwithstanding
+        wait.until(lambda d: "workflowType=" in d.current_url)
+        plain = driver.current_url
     finally:
         driver.quit()
     # the training view's navigation (Runs, Models, Model registry), not the GenAI one's (Judges, Sessions)
@@ -247,4 +252,5 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_
     assert "checkpoint-0" in run_page  # its one epoch's checkpoint, a LoggedModel
     assert "data_wait_fraction" in charts  # a chart per metric, by name
     assert "3 matching runs" in table and "Judges" not in table  # the parent and 2 children
+    assert plain.endswith("/overview/usage?workflowType=genai")  # when this fails, links need no UI_VIEW
     assert (tmp_path / "run.png").stat().st_size > 10_000
