@@ -44,7 +44,7 @@ def describe_job(hydra_cfg: DictConfig):
 def main(cfg: DictConfig) -> float | None:
     # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
     # so that a mistyped override or experiment fails at once.
-    from pipeline import predict, run, source, workarounds
+    from pipeline import cluster, predict, run, source, workarounds
 
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
@@ -53,7 +53,9 @@ def main(cfg: DictConfig) -> float | None:
     stage = predict.run if cfg.stage in ("predict", "evaluate") else run.run
     try:
         source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
-        metrics = stage(load(cfg), job)  # each stage gets the typed config: cfg.train.epochs
+        config = load(cfg)  # each stage gets the typed config: cfg.train.epochs
+        cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
+        metrics = stage(config, job)
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:

@@ -15,12 +15,14 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline import workarounds
-from pipeline.config import RayConfig, ScalingConfig
+from pipeline.config import PipelineConfig, RayConfig, ScalingConfig
 from pipeline.errors import PipelineError
 from pipeline.filesystems import is_s3
 
@@ -31,23 +33,27 @@ CONNECT_TIMEOUT_S = 5.0
 
 def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
     """The job's runtime_env: ``extra`` (the config's), plus, joining a cluster, ``py_modules`` uploaded
-    from this checkout, so every node imports the same code the driver runs. Environment variables
-    become strings, as Ray requires (YAML reads ``1`` as a number)."""
+    from this checkout, so every node imports the same code the driver runs. A submitted Ray job ships
+    none: its own runtime_env (``--working-dir``) already carries the code it was submitted with, and
+    Ray merges the two. Environment variables become strings, as Ray requires (YAML reads ``1`` as a
+    number)."""
     env = dict(extra)
     if env.get("env_vars"):
         env["env_vars"] = {key: str(value) for key, value in env["env_vars"].items()}
-    if address is not None and py_modules:
-        modules = []
-        for name in py_modules:
-            try:
-                modules.append(importlib.import_module(name))
-            except ImportError as err:
-                raise PipelineError(
-                    f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err})."
-                ) from err
-        env["py_modules"] = [*env.get("py_modules", []), *modules]
+    if address is not None and py_modules and not workarounds.in_submitted_job():
+        env["py_modules"] = [*env.get("py_modules", []), *(module_dir(name) for name in py_modules)]
         env.setdefault("excludes", ["__pycache__/"])
     return env
+
+
+def module_dir(name: str) -> str:
+    """Where module ``name`` is imported from: a package's directory, or a module's file. A path, not the
+    module: a Ray job deep-copies the runtime_env it merges with its own, and a module cannot be copied."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise PipelineError(f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err}).") from err
+    return next(iter(getattr(module, "__path__", [])), None) or str(module.__file__)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,8 @@ def start_ray(
                 include_dashboard=False if address is None else None,
             )
     except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
+        if workarounds.refused_token(err):
+            raise token_refused(address) from None  # Ray's chain repeats a long traceback as text
         raise unreachable(address, err) from err
     if address is None:
         workarounds.end_agents_at_exit()
@@ -145,6 +153,24 @@ def unreachable(address: str, err: Exception) -> PipelineError:
         f"ray.address: cannot reach a Ray cluster at {address!r} ({err}). Check the address (ray.address, or "
         "the RAY_ADDRESS variable) and that the cluster is up (`ray status` on its head node), or leave "
         "ray.address unset (null) to start a local runtime."
+    )
+
+
+def token_refused(address: str | None) -> PipelineError:
+    """The cluster uses Ray's token authentication and refused what this process sent."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        cause = "the token it sent (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is not the cluster's"
+    else:
+        cause = (
+            "this process sent no token: Ray sends one to an address it is given only when RAY_AUTH_MODE=token "
+            "is exported (`ray start` turns authentication on wherever a token exists, such as the "
+            "~/.ray/auth_token any local Ray run writes)"
+        )
+    return PipelineError(
+        f"ray.address: the Ray cluster at {address!r} uses token authentication and refused this process: "
+        f"{cause}. Export RAY_AUTH_MODE=token with the cluster's token (`ray get-auth-token` on the head node "
+        "prints it) in ~/.ray/auth_token, or in RAY_AUTH_TOKEN or a file named by RAY_AUTH_TOKEN_PATH; "
+        "`ray job submit` needs the same (docs/cluster.md)."
     )
 
 
@@ -205,3 +231,44 @@ def check_shared(address: str | None, paths: dict[str, str | None]) -> None:
                     f"as it is on this driver. On a cluster of {len(nodes)} nodes every node must reach it: "
                     "use a shared mount (NFS, a cloud file system) at the same path, or an s3:// URI."
                 )
+
+
+def check_outlives_job(cfg: PipelineConfig) -> None:
+    """In a submitted Ray job, fail unless the run's record outlives the job. Its entrypoint runs in a
+    temporary copy of the submitted working directory, which Ray deletes: a local MLflow store,
+    checkpoints or predictions written there (relative paths, and the defaults under ``paths.outputs``)
+    would be a finished run nobody finds. An absolute path outside it is the user's opt-in: their disk stays."""
+    if not workarounds.in_submitted_job():
+        return
+    workdir = Path.cwd().resolve()
+    places = {"tracking.uri (MLFLOW_TRACKING_URI)": local_store(cfg.tracking.uri, cfg.paths.outputs)}
+    if cfg.stage == "train":
+        places["storage.path"] = cfg.storage.path or cfg.paths.outputs
+    else:
+        places["predict.output"] = cfg.predict.output or cfg.paths.outputs
+    lost = [
+        f"{key} ({path})"
+        for key, path in places.items()
+        if path is not None and not is_s3(path) and Path(path).resolve().is_relative_to(workdir)
+    ]
+    if lost:
+        raise PipelineError(
+            f"this command runs as a Ray job, in a temporary copy of the submitted working directory ({workdir}) "
+            f"that Ray deletes with the job, and {' and '.join(lost)} would be written there: a run nobody finds. "
+            "Log to your team's MLflow server: set MLFLOW_TRACKING_URI in the job's runtime_env "
+            '(ray job submit --runtime-env-json \'{"env_vars": {"MLFLOW_TRACKING_URI": "http://HOST:5000"}}\') or '
+            "tracking.uri, and storage.path to s3://BUCKET/PREFIX or a shared mount; or, where the head node's disk "
+            "outlives the job, set paths.outputs (or each of these) to an absolute path (docs/cluster.md)."
+        )
+
+
+def local_store(uri: str | None, outputs: str) -> str | None:
+    """The local path an MLflow tracking URI writes to (``None`` for a server or database): unset, the
+    SQLite store in ``outputs``."""
+    if uri is None:
+        return os.path.join(outputs, "mlflow.db")
+    if uri.startswith("sqlite:"):
+        return uri.removeprefix("sqlite:").removeprefix("///")  # sqlite:///relative, sqlite:////absolute
+    if uri.startswith("file:"):
+        return urlsplit(uri).path
+    return None if "://" in uri else uri  # a bare path: MLflow's file store

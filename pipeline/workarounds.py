@@ -1,6 +1,6 @@
 """Every workaround for Ray's own behaviour (ray 2.60.0), and MLflow's (3.17), each with the behaviour it
-targets; each is pinned by a canary in ``tests/test_ray_canaries.py`` that fails when that behaviour
-changes. All run on the driver.
+targets; each is pinned by a canary that fails when that behaviour changes: in ``tests/test_ray_canaries.py``,
+or, for a submitted job's and a token cluster's, in ``tests/test_jobs.py``. All run on the driver.
 """
 
 from __future__ import annotations
@@ -71,6 +71,29 @@ def local_runtime_settings() -> None:
     """
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def in_submitted_job() -> bool:
+    """Whether this process is a submitted Ray job's entrypoint (``ray job submit``, KubeRay's RayJob).
+
+    Ray 2.60 says so in no public API before ``ray.init``: its job supervisor hands the entrypoint the
+    job's runtime_env in ``RAY_JOB_CONFIG_JSON_ENV_VAR``, which ``ray.init`` merges with its own. Such an
+    entrypoint runs in a temporary copy of the submitted working directory. Canary: a job of
+    ``tests/test_jobs.py`` stopped by :func:`pipeline.cluster.check_outlives_job`."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def refused_token(err: BaseException) -> bool:
+    """Whether ``ray.init``'s failure to join a cluster was the cluster refusing this process's token.
+
+    Ray 2.60 raises a ConnectionError whose cause, a RuntimeError, holds the AuthenticationError only as
+    the text of a traceback (after about 20 connection attempts). Canary: ``tests/test_jobs.py``, joining a
+    token cluster without RAY_AUTH_MODE=token."""
+    while err is not None:
+        if isinstance(err, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 RAYLET_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # process titles

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.checkpoint import amp_plan
-from pipeline.cluster import Runtime, runtime, runtime_env
+from pipeline.cluster import Runtime, check_outlives_job, runtime, runtime_env
 from pipeline.config import CONF_DIR, PipelineConfig, TrainConfig, TransformSpec, validate
 from pipeline.errors import PipelineError
 from pipeline.predict import actor_options
@@ -232,9 +233,45 @@ def test_joining_a_cluster_ships_the_code_and_a_local_runtime_does_not(monkeypat
     joined = compose_cfg([]).ray
     assert joined.address == "10.0.0.5:6379"
     env = runtime_env(joined.address, joined.py_modules, joined.runtime_env)
-    assert env["py_modules"] == [pipeline, transforms]
+    assert env["py_modules"] == [str(Path(pipeline.__file__).parent), str(Path(transforms.__file__).parent)]
+    assert copy.deepcopy(env) == env  # a Ray job deep-copies the runtime_env it merges with its own
     with pytest.raises(PipelineError, match="ray.py_modules: cannot import 'my_transformz'"):
         runtime_env("auto", ["my_transformz"], {})
+    # a submitted job's own runtime_env (--working-dir) carries the code: nothing more is shipped
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}}')
+    assert runtime_env(joined.address, joined.py_modules, {}) == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lost"),
+    [
+        ([], ["tracking.uri (MLFLOW_TRACKING_URI) (outputs/mlflow.db)", "storage.path (outputs)"]),
+        (
+            ["tracking.uri=sqlite:///runs.db", "storage.path=s3://b/runs"],
+            ["tracking.uri (MLFLOW_TRACKING_URI) (runs.db)"],
+        ),
+        (["tracking.uri=http://127.0.0.1:5000", "storage.path=ckpt"], ["storage.path (ckpt)"]),
+        (["stage=predict", "tracking.uri=http://127.0.0.1:5000"], ["predict.output (outputs)"]),
+        (["tracking.uri=http://127.0.0.1:5000", "storage.path=s3://b/runs"], []),
+        (["paths.outputs=/var/pipeline"], []),  # the opt-in: an absolute path the user knows stays
+    ],
+)
+def test_a_submitted_job_stops_where_its_record_would_vanish(overrides, lost, monkeypatch, tmp_path):
+    cfg = compose_cfg(overrides)
+    monkeypatch.chdir(tmp_path)  # the job's temporary copy of the working directory
+    check_outlives_job(cfg)  # not a job: anything goes
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    if not lost:
+        check_outlives_job(cfg)
+        return
+    with pytest.raises(PipelineError) as err:
+        check_outlives_job(cfg)
+    message = str(err.value)
+    assert (
+        f"runs as a Ray job, in a temporary copy of the submitted working directory ({tmp_path.resolve()})" in message
+    )
+    assert f"{' and '.join(lost)} would be written there" in message
+    assert "MLFLOW_TRACKING_URI" in message and "paths.outputs" in message
 
 
 def test_cpu_scaling_uses_gloo_and_leaves_cpu_for_data():
