@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import secrets
 import socket
@@ -35,6 +36,7 @@ for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_SH
 import numpy as np
 import psutil
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
@@ -129,6 +131,24 @@ def alive(processes: list[psutil.Process]) -> dict[int, str]:
             if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 running[process.pid] = " ".join(process.cmdline())[:200]
     return running
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(data_root):
+    """A moto S3 server with bucket ``data`` (the generated CIFAR-like splits) and bucket ``runs``."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
+    fs.create_dir("data")
+    fs.create_dir("runs")
+    pafs.copy_files(str(data_root / "cifar10"), "data/cifar10", destination_filesystem=fs)
+    yield endpoint
+    server.stop()
 
 
 compose_cfg = compose  # the typed config as the entry point hands it to a stage

@@ -6,7 +6,6 @@ IAM policies, for the access-denied and credential-chain cases.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -28,24 +27,6 @@ from pipeline.filesystems import make_dir
 from pipeline.source import prepare
 
 DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint(data_root):
-    """A moto S3 server with bucket ``data`` (the generated CIFAR-like splits) and bucket ``runs``."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
-    fs.create_dir("data")
-    fs.create_dir("runs")
-    pafs.copy_files(str(data_root / "cifar10"), "data/cifar10", destination_filesystem=fs)
-    yield endpoint
-    server.stop()
 
 
 def s3_source(endpoint: str, root: str, *overrides: str) -> SourceConfig:
