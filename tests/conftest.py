@@ -55,9 +55,10 @@ def jpeg(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-# pytest-xdist hands whole files to its two processes in collection order: the longest files go first,
-# so that neither process is left running a long one alone at the end (the last file is otherwise test_tune).
+# pytest-xdist hands whole files to its two processes in collection order (--no-loadscope-reorder): the
+# longest files go first, so that neither process is left running a long one alone at the end.
 LONGEST_FIRST = (
+    "test_jobs.py",
     "test_tune.py",
     "test_cluster.py",
     "test_pipeline.py",

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def head():
-    with ray_head() as started:
+    with ray_head(num_cpus=2) as started:  # this machine's cores: a job's tasks no more than they can run
         yield started
     assert alive(started.session_processes()) == {}  # nothing of the cluster left behind
 
