@@ -91,8 +91,8 @@ def experiment_choice(choices) -> str:
 
 
 def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
-    """The experiment's id, created on first use, of the kind the UI opens on its runs (an older one
-    without a kind gets it); with the embedded SQLite store its artifacts go beside the store in
+    """The experiment's id, created on first use and tagged as model training (``EXPERIMENT_KIND``; an older
+    one without a kind gets it); with the embedded SQLite store its artifacts go beside the store in
     ``<outputs>/mlartifacts``."""
     kind, training = EXPERIMENT_KIND
     found = client.get_experiment_by_name(name)
