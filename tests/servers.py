@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import requests
-from conftest import free_port, wait_for_port
+from conftest import descendants, free_port, wait_for_port
 
 BIN = Path(sys.executable).parent  # this environment's ray and mlflow commands
 
@@ -36,11 +36,7 @@ def end(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
 
 
 def with_descendants(processes: list[psutil.Process]) -> list[psutil.Process]:
-    found = list(processes)
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            found += process.children(recursive=True)
-    return found
+    return [*processes, *(child for process in processes for child in descendants(process.pid))]
 
 
 def postgres_available() -> str | None:
