@@ -5,25 +5,43 @@ pixel normalization).
 
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
-read with ``weights_only=True``.
+read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
+import pyarrow.fs as pafs
 import torch
 
 from pipeline.config import NormalizeConfig, TrainConfig
 from pipeline.errors import PipelineError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+REPORT_FILE = "report.json"
 
 
-def save(state: dict, directory: str) -> None:
-    """``state`` as ``directory/checkpoint.pt``."""
+def save(state: dict, directory: str, metrics: dict) -> None:
+    """``state`` as ``directory/checkpoint.pt``, and the epoch's ``metrics`` beside it: the record of an epoch
+    whose report never reached the driver (a signal or a crash between the two) survives with its checkpoint."""
     torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+    with open(os.path.join(directory, REPORT_FILE), "w") as out:
+        json.dump(metrics, out)
+
+
+def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict]]:
+    """(checkpoint path, its epoch's metrics) for every checkpoint in a run's storage ``directory``, oldest
+    epoch first; checkpoints written before reports were kept beside them are left out."""
+    found = []
+    for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
+        report = f"{info.path}/{REPORT_FILE}"
+        if info.type == pafs.FileType.Directory and filesystem.get_file_info(report).is_file:
+            with filesystem.open_input_stream(report) as stream:
+                found.append((info.path, json.loads(stream.read())))
+    return sorted(found, key=lambda item: item[1]["epoch"])
 
 
 def load(path: str, key: str, device: torch.device | str = "cpu") -> dict:

@@ -68,6 +68,7 @@ def run(cfg: PipelineConfig, job: Job) -> dict:
             tracker.expected_rows = expected_rows(data.rows, cfg.scaling.num_workers, cfg.ingest.drop_last)
             storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage)
+            tracker.reconcile()  # a resumed run: the epoch an interrupted attempt saved but did not log
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
             progress = console.Progress(cfg.train.epochs, steps, wait_limit)
             result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)

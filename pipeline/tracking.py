@@ -23,7 +23,7 @@ from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-from pipeline import models
+from pipeline import checkpoint, models
 from pipeline.config import PipelineConfig, logged
 from pipeline.console import data_wait_note
 from pipeline.errors import PipelineError, redact
@@ -198,6 +198,7 @@ class Tracker:
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(store.client, run_id)  # a resumed run holds its first epochs already
+        self.rerun: set[int] = set()  # logged epochs that training runs again, restored from an older checkpoint
         self.last: dict | None = None  # the latest epoch's metrics
         self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
         self.expected_rows: dict[str, int] = {}
@@ -252,6 +253,11 @@ class Tracker:
         """An epoch's metrics, once (step = epoch), and ``skipped_rows`` when rows went missing; with
         ``tracking.log_model``, its checkpoint (a path in the run's storage) as a LoggedModel they link to."""
         epoch = metrics["epoch"]
+        if epoch in self.rerun:  # its record came from its own checkpoint (reconcile), which Ray did not restore
+            self.rerun.discard(epoch)
+            self.last = metrics
+            log.info("epoch %d ran again from an older checkpoint; its first record stands in MLflow", epoch + 1)
+            return
         if epoch in self.logged:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
@@ -275,6 +281,18 @@ class Tracker:
             )
         self.last = metrics
 
+    def reconcile(self) -> None:
+        """Log each epoch whose checkpoint Ray Train persisted but whose report never reached the driver (a
+        signal or a crash between the two): every checkpoint's epoch is in MLflow, once, resumed or not."""
+        if self.storage is None:
+            return
+        for path, metrics in checkpoint.reports(self.storage.filesystem, f"{self.storage.path}/{self.storage.name}"):
+            if metrics["epoch"] not in self.logged:
+                log.warning(
+                    "epoch %d: logged from its checkpoint's report; it never reached the driver", metrics["epoch"] + 1
+                )
+                self.log_epoch(metrics, path)
+
     def log_step_loss(self, loss: float, global_step: int) -> None:
         """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
         self.client.log_metric(self.run_id, STEP_LOSS_METRIC, loss, step=global_step)
@@ -285,6 +303,7 @@ class Tracker:
 
     def log_restore(self, epoch: int) -> None:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
+        self.rerun = {logged for logged in self.logged if logged >= epoch}
         count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
         self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
 
@@ -331,4 +350,7 @@ class Tracker:
     def __exit__(self, kind, error, traceback) -> None:
         if self._system_metrics is not None:
             self._system_metrics.finish()  # flushed before the run ends: an ended run takes no metrics
-        self.end(end_status(error), error)
+        try:
+            self.reconcile()
+        finally:
+            self.end(end_status(error), error)

@@ -269,7 +269,7 @@ def report(metrics: dict, state: dict | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         saved = None
         if state is not None:
-            checkpoint.save(state, tmp)
+            checkpoint.save(state, tmp, metrics)
             saved = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=saved)
 

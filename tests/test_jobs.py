@@ -121,8 +121,9 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
 ):
     """A Hydra sweep submitted as a job trains with the code it was submitted with, logs its parent and
     children to the tracking server (PostgreSQL), its LoggedModels' files to S3 through the server, and
-    moves the registry alias to the best child's version; a second job evaluates (predicts, then scores)
-    ``models:/submitted@champion`` through the server; the model loads here through the server too."""
+    moves the registry alias to the best child's version; a driver joining the cluster through RAY_ADDRESS
+    evaluates (predicts, then scores) ``models:/submitted@champion`` through the server; the model loads
+    here through the server too."""
     env_vars = {"PIPELINE_DATA_DIR": str(data_root), "MLFLOW_TRACKING_URI": tracking_server}
     storage = f"storage.path={tmp_path / 'checkpoints'}"  # an absolute path: this head's disk stays
     sweep = submit(
@@ -151,11 +152,12 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
     keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket="runs")["Contents"]]
     assert any(key.startswith("mlartifacts/") and key.endswith(".pt") for key in keys)  # the files are in S3
 
-    evaluate = submit(  # stage=evaluate: predict's path (models:/ through the server), then scored
-        head,
-        project,
+    # stage=evaluate (predict's path: models:/ through the server, then scored) from a driver on the user's
+    # own machine, joining the head through RAY_ADDRESS with the token (docs/cluster.md's other route)
+    joined = {**cli_env(data_root), **env_vars, "HOME": head.env["HOME"], "RAY_AUTH_MODE": "token"}
+    evaluate = subprocess.run(
         [
-            "python",
+            sys.executable,
             "-m",
             "pipeline",
             "+experiment=submitted",
@@ -163,9 +165,15 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
             "predict.run=models:/submitted@champion",
             f"predict.output={tmp_path / 'evaluated'}",
         ],
-        env_vars,
+        cwd=project,
+        env={**joined, "RAY_ADDRESS": head.address},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert "succeeded" in evaluate.stdout, (evaluate.stdout + evaluate.stderr)[-4000:]
+    output = evaluate.stdout + evaluate.stderr
+    assert evaluate.returncode == 0, output[-4000:]
+    assert f"Ray runtime up ({head.address}): 1 node(s)" in output
     (evaluation,) = [
         r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("pipeline.stage") == "evaluate"
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import compose_cfg
 from mlflow import MlflowClient
 
@@ -38,8 +39,6 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
 
 def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
     """A driver that died (SIGKILL, a lost machine) leaves its run RUNNING; Ctrl-C leaves it KILLED."""
-    import pytest
-
     from pipeline.errors import PipelineError
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -74,3 +73,46 @@ def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
     sweep_dir = str(tmp_path / 'it\'s "here"')
     parent = runs.sweep_parent(client, experiment, sweep_dir)
     assert runs.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
+
+
+def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tmp_path):
+    """A signal between a checkpoint's upload and its report reaching the driver: the run's end logs that
+    epoch from the report kept beside the checkpoint; training restored from the checkpoint before it runs
+    the epoch again, and its first record stands (each epoch once)."""
+    import torch
+
+    from pipeline import checkpoint, filesystems
+
+    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    store = runs.Store(client, client.tracking_uri, "e", experiment)
+    tracker = tracking.Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
+    storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
+    tracker.set_storage(storage)
+    figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
+    figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0}
+    for epoch in (0, 1):  # both saved; only epoch 0's report reached the driver
+        saved = tmp_path / "checkpoints" / tracker.run_id / f"checkpoint_2026-11-26_00-00-0{epoch}"
+        saved.mkdir(parents=True)
+        checkpoint.save({"epoch": epoch}, str(saved), {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch})
+    tracker.log_epoch({**figures, "epoch": 0})
+    with pytest.raises(SystemExit), tracker:  # ends the run: KILLED here, as on SIGTERM
+        raise SystemExit(143)
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "val_accuracy")] == [
+        (0, 0.2),
+        (1, 1.2),
+    ]
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+
+    resumed = tracking.Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
+    resumed.set_storage(storage)
+    resumed.reconcile()  # nothing new: every saved epoch is logged
+    resumed.log_restore(1)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
+    resumed.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
+    resumed.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})
+    history = client.get_metric_history(tracker.run_id, "val_accuracy")
+    assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 1.2), (2, 0.95)]
+    assert resumed.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
+        "epoch": 1
+    }
