@@ -55,6 +55,7 @@ def main(cfg: DictConfig) -> float | None:
         source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
         config = load(cfg)  # each stage gets the typed config: cfg.train.epochs
         cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
+        cluster.note_stop_grace()  # and ray job stop kills its driver 3 s after SIGTERM unless told otherwise
         metrics = stage(config, job)
     except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
         sys.exit(130)

@@ -22,6 +22,7 @@ from pipeline import (
     console,
     events,
     filesystems,
+    lifeline,
     predict,
     preflight,
     preprocess,
@@ -71,7 +72,8 @@ def run(cfg: PipelineConfig, job: Job) -> dict:
             tracker.reconcile()  # a resumed run: the epoch an interrupted attempt saved but did not log
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
             progress = console.Progress(cfg.train.epochs, steps, wait_limit)
-            result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
+            with lifeline.watched(lambda what: ray_lost(tracker, what)):
+                result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
@@ -128,6 +130,18 @@ def resume_hint(tracker: Tracker) -> Iterator[None]:
             name,
         )
         raise
+
+
+def ray_lost(tracker: Tracker, what: str) -> None:
+    """Ray went away under training (:mod:`pipeline.lifeline`): the run ends FAILED, saying how to continue."""
+    name = tracker.client.get_run(tracker.run_id).info.run_name
+    err = PipelineError(
+        f"Ray was lost under the run: {what} (a head node or raylet killed, by an OOM killer or with its "
+        f"machine). MLflow run {name!r} is recorded FAILED; its checkpoints stay in {tracker.storage.uri}. Once "
+        f"Ray is back, continue it with the same command plus: train.resume=true tracking.run_name={name}"
+    )
+    tracker.close(err)
+    log.error("%s", err)
 
 
 def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> dict[str, int]:

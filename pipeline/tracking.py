@@ -348,6 +348,10 @@ class Tracker:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        self.close(error)
+
+    def close(self, error: BaseException | None) -> None:
+        """The system metrics stopped, the epochs the checkpoints hold logged, the run ended as ``error`` says."""
         if self._system_metrics is not None:
             self._system_metrics.finish()  # flushed before the run ends: an ended run takes no metrics
         try:

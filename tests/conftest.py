@@ -62,11 +62,11 @@ LONGEST_FIRST = (
     "test_tune.py",
     "test_cluster.py",
     "test_pipeline.py",
-    "test_s3.py",
     "test_own_data.py",
     "test_sweeps.py",
-    "test_fault_tolerance.py",
     "test_ray_canaries.py",
+    "test_finetune.py",
+    "test_fault_tolerance.py",
 )
 
 

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import alive, compose_cfg, descendants, in_process
+from conftest import DETERMINISTIC, alive, compose_cfg, descendants, in_process
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
@@ -54,11 +55,11 @@ def start_cli(args: list[str], cwd: Path, data_root: Path) -> subprocess.Popen:
     )
 
 
-def interrupt_after_first_epoch(
-    tmp_path: Path, data_root: Path, signum: int, args: list[str]
+def stop_after_first_epoch(
+    tmp_path: Path, data_root: Path, args: list[str], stop: Callable[[subprocess.Popen, list[psutil.Process]], None]
 ) -> tuple[str, list[psutil.Process]]:
-    """Start the command, send ``signum`` once epoch 1 is reported (epoch 2 is under way), and return
-    its output and the processes it had started."""
+    """Start the command, ``stop(command, its processes)`` once epoch 1 is reported (epoch 2 is under way),
+    and return its output and the processes it had started; it must exit non-zero."""
     process = start_cli([*args, "hydra.run.dir=run"], tmp_path, data_root)
     try:
         wait_for_epochs(tmp_path / "run", 1)
@@ -69,7 +70,7 @@ def interrupt_after_first_epoch(
         process.communicate()
         raise
     started = descendants(process.pid)
-    process.send_signal(signum)
+    stop(process, started)
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0, output
     return output, started
@@ -86,6 +87,30 @@ def assert_each_epoch_once(client: MlflowClient, run_id: str, epochs: int) -> No
     task = compose().task
     for key in epoch_metrics(task.type, task.metrics):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(epochs)), key
+
+
+@pytest.mark.slow
+def test_ray_lost_under_a_run_fails_it_in_one_paragraph_and_leaves_no_process(tmp_path, data_root):
+    """The local runtime's GCS and raylet SIGKILLed during epoch 2 (an OOM killer's choice): the command
+    exits 1 with one paragraph saying Ray was lost and how to continue, the run is FAILED (not left
+    RUNNING) with its epochs, and every process the command started is gone."""
+
+    def kill_ray(command: subprocess.Popen, started: list[psutil.Process]) -> None:
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                if process.name() in ("raylet", "gcs_server"):
+                    process.kill()
+
+    args = ["+experiment=smoke", *DETERMINISTIC, "tracking.run_name=lost"]
+    output, started = stop_after_first_epoch(tmp_path, data_root, args, kill_ray)
+    assert "Ray was lost under the run: " in output and "Traceback" not in output, output[-3000:]
+    assert (
+        "Once Ray is back, continue it with the same command plus: train.resume=true tracking.run_name=lost" in output
+    )
+    client, run_info = the_run(tmp_path)
+    assert run_info.info.status == "FAILED" and "Ray was lost" in run_info.data.tags["pipeline.error"]
+    assert len(client.get_metric_history(run_info.info.run_id, "train_loss")) >= 1
+    assert_all_gone(started)
 
 
 @pytest.mark.slow

@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import alive
+from conftest import AWS_SECRET, DETERMINISTIC, alive
 from mlflow import MlflowClient
 from servers import BIN, mlflow_server, postgres, postgres_available, ray_head
 from test_pipeline import cli_env
+from test_s3 import checkpoints, files_containing
 
 from pipeline import workarounds
 
@@ -57,21 +61,28 @@ def project(tmp_path_factory) -> Path:
     return copy
 
 
-def submit(head, project: Path, command: list[str], env_vars: dict[str, str]) -> subprocess.CompletedProcess:
+def submit(
+    head, project: Path, command: list[str], env_vars: dict[str, str], *options: str
+) -> subprocess.CompletedProcess:
     """``ray job submit --working-dir PROJECT -- python -m pipeline ...`` as docs/cluster.md has it: the
     Jobs API at RAY_ADDRESS, RAY_AUTH_MODE=token with the head's token in ~/.ray/auth_token."""
+    return ray_job(
+        head,
+        "submit",
+        *options,
+        "--working-dir",
+        str(project),
+        "--runtime-env-json",
+        json.dumps({"env_vars": env_vars}),
+        "--",
+        *command,
+    )
+
+
+def ray_job(head, *args: str) -> subprocess.CompletedProcess:
+    """``ray job ARGS`` against the head's Jobs API, as a client with its token."""
     return subprocess.run(
-        [
-            str(BIN / "ray"),
-            "job",
-            "submit",
-            "--working-dir",
-            str(project),
-            "--runtime-env-json",
-            json.dumps({"env_vars": env_vars}),
-            "--",
-            *command,
-        ],
+        [str(BIN / "ray"), "job", *args],
         env={**head.env, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": head.dashboard},
         capture_output=True,
         text=True,
@@ -189,3 +200,91 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
     assert model(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)).shape == (2, 10)  # the exported model takes raw images
     assert "AWS" not in json.dumps(client.get_run(best.info.run_id).data.params)  # no credentials logged
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in (sweep.stdout + sweep.stderr)
+
+
+def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches_the_local_run(
+    head, project, tracking_server, s3_endpoint, deterministic_run, tmp_path
+):
+    """Data and checkpoints on S3, the run on the tracking server. ``ray job stop`` during epoch 2 of a job
+    that gives itself 30 s between SIGTERM and SIGKILL (as the pipeline asks a job left with Ray's 3 s to):
+    the run ends KILLED, every epoch its checkpoints hold in MLflow; the same job submitted again with
+    train.resume=true continues that run and ends where an uninterrupted run from local files does. The
+    AWS secret is nowhere: the jobs' logs, the run's params and config, the head's Ray logs."""
+    command = [
+        "python",
+        "-m",
+        "pipeline",
+        "+experiment=smoke",
+        *DETERMINISTIC,  # the same batches as the local run of the same config
+        "source=s3",
+        "source.root=s3://data/cifar10",
+        f"source.s3.endpoint_url={s3_endpoint}",
+        "source.s3.anonymous=false",
+        "source.s3.region=us-east-1",
+        "storage.path=s3://runs/checkpoints",
+        f"storage.s3.endpoint_url={s3_endpoint}",
+        "tracking.experiment_name=stopped",
+        "tracking.run_name=long-run",
+    ]
+    env_vars = {"MLFLOW_TRACKING_URI": tracking_server}  # the credentials: the head's own environment
+    started = submit(head, project, command, {**env_vars, "RAY_JOB_STOP_WAIT_TIME_S": "30"}, "--no-wait")
+    (job,) = re.findall(r"Job '(raysubmit_\w+)' submitted successfully", started.stdout)
+    client = MlflowClient(tracking_server)
+    deadline = time.monotonic() + 300
+    while not (runs := runs_of(client, "stopped")) or not client.get_metric_history(runs[0].info.run_id, "train_loss"):
+        assert time.monotonic() < deadline, ray_job(head, "logs", job).stdout[-3000:]
+        time.sleep(0.2)
+    stopped = ray_job(head, "stop", job)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    output = ray_job(head, "logs", job).stdout
+    (run,) = runs_of(client, "stopped")
+    assert run.info.status == "KILLED", output[-3000:]
+    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
+    assert "RAY_JOB_STOP_WAIT_TIME_S" not in output  # 30 s given: no warning
+    reached = len(client.get_metric_history(run.info.run_id, "train_loss"))
+    assert reached in (1, 2)  # stopped during epoch 2 (or, at worst, right after it)
+    storage = f"s3://runs/checkpoints/{run.info.run_id}"
+    assert run.data.tags["pipeline.storage"] == storage
+    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint)
+    with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
+        newest = torch.load(stream, weights_only=True)["epoch"]
+    # never behind the record; one ahead when its upload ended as the driver did (resuming logs it)
+    assert newest in (reached - 1, reached)
+
+    resumed = submit(head, project, [*command, "train.resume=true"], env_vars)  # Ray's 3 s: the job warns
+    output += resumed.stdout + resumed.stderr
+    assert "succeeded" in resumed.stdout and "RAY_JOB_STOP_WAIT_TIME_S" in resumed.stdout, output[-3000:]
+    (run,) = runs_of(client, "stopped")  # the same MLflow run, not a new one
+    assert run.data.tags["pipeline.storage"] == storage and run.info.status == "FINISHED"
+    for key in ("train_loss", "val_loss", "val_accuracy"):  # each epoch once
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1, 2]
+    (restored,) = [m.step for m in client.get_metric_history(run.info.run_id, "restores")]
+    # from the newest checkpoint, or the one before when Ray Train had not registered the newest yet
+    assert restored in (newest, newest + 1) and f"continuing at epoch {restored + 1}/3" in output
+    assert run.data.params["source.train"] == "s3://data/cifar10/train"
+
+    # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
+    saved = checkpoints(fs, storage)
+    assert len(saved) == newest + 1 + 3 - restored  # one an epoch, and one more for an epoch run twice
+    with fs.open_input_file(max(saved)) as stream:
+        checkpoint = torch.load(stream, weights_only=True)
+    logged = torch.load(
+        client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
+    )
+    assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
+
+    # Deterministic on CPU: the S3 run, stopped and resumed, ends where an uninterrupted local one does.
+    assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"]
+    assert deterministic_run["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
+    assert deterministic_run["train_loss"] == pytest.approx(run.data.metrics["train_loss"], abs=1e-6)
+
+    # The secret the AWS SDK used is nowhere: the jobs' logs, the run's record, the head's Ray logs.
+    secret = AWS_SECRET.encode()
+    assert secret not in output.encode() and AWS_SECRET not in json.dumps(run.data.params)
+    assert files_containing(tmp_path, secret) == [] and files_containing(head.temp_dir, secret) == []
+
+
+def runs_of(client: MlflowClient, name: str) -> list:
+    """The runs of experiment ``name`` (none while it does not exist yet)."""
+    experiment = client.get_experiment_by_name(name)
+    return client.search_runs([experiment.experiment_id]) if experiment else []

@@ -7,7 +7,6 @@ IAM policies, for the access-denied and credential-chain cases.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +15,7 @@ from pathlib import Path
 import boto3
 import pyarrow.fs as pafs
 import pytest
-import torch
-from conftest import AWS_SECRET, DETERMINISTIC, compose_cfg, free_port, wait_for_port
-from test_fault_tolerance import assert_all_gone, assert_each_epoch_once, interrupt_after_first_epoch, the_run
+from conftest import compose_cfg, free_port, wait_for_port
 from test_pipeline import run_cli
 
 from pipeline.config import SourceConfig
@@ -58,82 +55,6 @@ def files_containing(root: Path, needle: bytes) -> list[str]:
             except OSError:
                 continue
     return hits
-
-
-@pytest.mark.slow
-def test_an_s3_run_stopped_by_sigterm_resumes_into_the_same_run_and_matches_the_local_run(
-    tmp_path, data_root, s3_endpoint, deterministic_run
-):
-    """Data and checkpoints on S3; SIGTERM (a scheduler's, ``ray job stop``'s, a preempted node's) during
-    epoch 2 ends the command: the run KILLED with every epoch its checkpoints hold in MLflow, every process
-    gone, the command saying how to continue; the same command with train.resume=true continues the same
-    MLflow run from the checkpoint on S3 and ends where an uninterrupted run from local files does. The AWS
-    secret is nowhere: consoles, MLflow, run directories, either command's Ray logs. (Ctrl-C takes the same
-    path: test_fault_tolerance.py.)"""
-    args = [
-        "+experiment=smoke",
-        *DETERMINISTIC,  # the same batches as the local run of the same config
-        "source=s3",
-        "source.root=s3://data/cifar10",
-        f"source.s3.endpoint_url={s3_endpoint}",
-        "source.s3.anonymous=false",
-        "source.s3.region=us-east-1",
-        "storage.path=s3://runs/checkpoints",
-        f"storage.s3.endpoint_url={s3_endpoint}",
-        "tracking.run_name=long-run",
-    ]
-    began = time.time()
-    output, started = interrupt_after_first_epoch(tmp_path, data_root, signal.SIGTERM, args)
-    client, interrupted = the_run(tmp_path)
-    assert interrupted.info.status == "KILLED", output
-    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
-    assert_all_gone(started)
-    reached = len(client.get_metric_history(interrupted.info.run_id, "train_loss"))
-    assert reached in (1, 2)  # SIGTERM came during epoch 2 (or, at worst, right after it)
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint)
-    storage = f"s3://runs/checkpoints/{interrupted.info.run_id}"
-    assert interrupted.data.tags["pipeline.storage"] == storage
-    with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
-        newest = torch.load(stream, weights_only=True)["epoch"]
-    # never behind the record; one ahead when its upload ended as the command did (resuming logs it)
-    assert newest in (reached - 1, reached)
-
-    resumed = run_cli([*args, "train.resume=true", "hydra.run.dir=resumed"], tmp_path, data_root)
-    output += resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, output
-    client, run = the_run(tmp_path)  # the same MLflow run, not a new one
-    assert run.info.run_id == interrupted.info.run_id and run.info.status == "FINISHED"
-    assert_each_epoch_once(client, run.info.run_id, 3)
-    (restored,) = [m.step for m in client.get_metric_history(run.info.run_id, "restores")]
-    # from the newest checkpoint, or the one before when Ray Train had not registered the newest yet
-    assert restored in (newest, newest + 1) and f"continuing at epoch {restored + 1}/3" in output
-    assert run.data.params["source.train"] == "s3://data/cifar10/train"
-
-    # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
-    saved = checkpoints(fs, storage)
-    assert len(saved) == newest + 1 + 3 - restored  # one an epoch, and one more for an epoch run twice
-    with fs.open_input_file(max(saved)) as stream:
-        checkpoint = torch.load(stream, weights_only=True)
-    logged = torch.load(
-        client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
-    )
-    assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
-    for run_dir in ("run", "resumed"):  # nothing fell back to local storage
-        assert not (tmp_path / run_dir / "checkpoints").exists()
-
-    # The secret the AWS SDK used is nowhere: console, MLflow store and artifacts, run dirs, Ray's logs.
-    secret = AWS_SECRET.encode()
-    assert secret not in output.encode()
-    assert files_containing(tmp_path, secret) == []
-    sessions = [s for s in Path("/tmp/ray").glob("session_2*") if s.stat().st_mtime >= began - 1]
-    assert sessions  # both commands' Ray sessions (and any a parallel test started meanwhile)
-    for session in sessions:
-        assert files_containing(session / "logs", secret) == []
-
-    # Deterministic on CPU: the S3 run, interrupted and resumed, ends where an uninterrupted local one does.
-    assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"]
-    assert deterministic_run["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
-    assert deterministic_run["train_loss"] == pytest.approx(run.data.metrics["train_loss"], abs=1e-6)
 
 
 def test_s3_source_counts_rows_like_the_local_one(data_root, s3_endpoint):
