@@ -127,8 +127,13 @@ def test_a_null_image_is_named_like_bad_bytes(tmp_path):
         decode_image(batch)
 
 
-def test_skipping_drops_only_the_bad_rows(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="transforms.image")  # whatever another test left the root logger at
+def test_skipping_drops_only_the_bad_rows(tmp_path, caplog, monkeypatch):
+    # whatever another test of this process left of logging (a root at ERROR, a library's fileConfig that
+    # disabled existing loggers), the warning reaches caplog
+    logger = logging.getLogger("transforms.image")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "handlers", [caplog.handler])
+    caplog.set_level(logging.WARNING, logger="transforms.image")
     out = decode_image(file_with_a_bad_row(tmp_path), on_error="skip")
     assert out["image"].shape == (3, 3, 32, 32)
     np.testing.assert_array_equal(out["label"], [0, 1, 3])  # every column lost the same row
