@@ -16,6 +16,7 @@ import pytest
 from conftest import free_port
 from mlflow import MlflowClient
 from test_pipeline import no_runs_logged, run_cli
+from test_tune import epochs_logged, sweep_runs
 
 HERE = Path(__file__).parent
 # Photos of 256-512 pixels a side (source=photos, written offline: 100 training rows in 15 files, 10
@@ -36,18 +37,6 @@ PLACEMENT = [
     "+transforms.train.decode.resources.cpu_node=1",
     "+transforms.valid.decode.label_selector.node-type=cpu",
 ]
-
-
-def sweep_runs(workdir: Path, experiment: str = "wine_mlp") -> tuple:
-    client = MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = sorted((r for r in runs if r is not parent), key=lambda r: r.info.start_time)
-    return client, parent, children
-
-
-def epochs_logged(client: MlflowClient, run) -> list[int]:
-    return [m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")]
 
 
 @pytest.fixture(scope="module")

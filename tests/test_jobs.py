@@ -203,19 +203,19 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
 
 
 def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches_the_local_run(
-    head, project, tracking_server, s3_endpoint, tmp_path
+    head, project, tracking_server, s3_endpoint, deterministic_run, tmp_path
 ):
     """Data and checkpoints on S3, the run on the tracking server. ``ray job stop`` during epoch 2 of a job
     that gives itself 30 s between SIGTERM and SIGKILL (as the pipeline asks a job left with Ray's 3 s to):
     the run ends KILLED, every epoch its checkpoints hold in MLflow; the same job submitted again with
-    train.resume=true continues that run from its checkpoint on S3, each epoch logged once. The AWS
-    secret is nowhere: the jobs' logs, the run's params, the head's Ray logs."""
+    train.resume=true continues that run and ends where an uninterrupted run from local files does. The
+    AWS secret is nowhere: the jobs' logs, the run's params and config, the head's Ray logs."""
     command = [
         "python",
         "-m",
         "pipeline",
         "+experiment=smoke",
-        *DETERMINISTIC,  # one worker, 32 steps an epoch: the stop lands in epoch 2
+        *DETERMINISTIC,  # the same batches as the local run of the same config
         "source=s3",
         "source.root=s3://data/cifar10",
         f"source.s3.endpoint_url={s3_endpoint}",
@@ -272,6 +272,11 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
         client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
     )
     assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
+
+    # Deterministic on CPU: the S3 run, stopped and resumed, ends where an uninterrupted local one does.
+    assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"]
+    assert deterministic_run["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
+    assert deterministic_run["train_loss"] == pytest.approx(run.data.metrics["train_loss"], abs=1e-6)
 
     # The secret the AWS SDK used is nowhere: the jobs' logs, the run's record, the head's Ray logs.
     secret = AWS_SECRET.encode()

@@ -16,11 +16,11 @@ from test_pipeline import run_cli
 
 from pipeline.runs import UI_VIEW
 
-SWEEP = [
+GRID = [
+    "-m",
     "+experiment=smoke",
-    "hparams_search=optuna",  # a sweep without -m: the experiment's hydra.mode
-    "hydra.sweeper.n_trials=2",
-    "train.epochs=1",
+    "optim.lr=0.001",
+    "train.epochs=1,0",
     "ingest.batch_size=64",
     "source.limit=256",
     "scaling.num_workers=1",  # DDP over two workers: the other tests' runs
@@ -38,59 +38,61 @@ def children_of(client: MlflowClient, experiment_id: str, parent_id: str) -> lis
 
 
 @pytest.fixture(scope="module")
-def optuna_sweep(tmp_path_factory, data_root):
-    """Two Optuna trials, one training job each, on one Ray runtime (a job that fails, and the sweep going
-    on: test_a_job_whose_overrides_do_not_compose...)."""
-    workdir = tmp_path_factory.mktemp("sweep")
-    result = run_cli(SWEEP, workdir, data_root)
+def grid_sweep(tmp_path_factory, data_root):
+    """A grid of two jobs, the train.epochs=0 one failing validation (two training jobs on one runtime, and
+    each job's start-up clock: the Optuna sweep)."""
+    workdir = tmp_path_factory.mktemp("grid")
+    result = run_cli(GRID, workdir, data_root)
     return workdir, result
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_every_job_on_one_ray_runtime(optuna_sweep):
-    workdir, result = optuna_sweep
+def test_grid_sweep_runs_every_job_on_one_ray_runtime(grid_sweep):
+    workdir, result = grid_sweep
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    assert output.count("Ray runtime up") == 1  # the second training job reused the runtime
-    assert "2 jobs, 0 failed" in output
-    table = output[output.index("2 jobs, 0 failed") :]
+    assert result.returncode == 1, output  # a job failed, so the sweep fails at the end
+    assert output.count("Ray runtime up") == 1
+    assert "2 jobs, 1 failed" in output
+    table = output[output.index("2 jobs, 1 failed") :]
+    assert re.search(r"0\s+FINISHED\s+[\d.]+\s+\+experiment=smoke optim.lr=0.001 train.epochs=1", table)
+    assert re.search(r"1\s+FAILED\s+nan\s+.*train.epochs=0", table)
+    assert "train.epochs must be >= 1, got 0" in table
     for job in range(2):
-        assert re.search(rf"{job}\s+FINISHED\s+[\d.]+\s+\+experiment=smoke .*optim.lr=", table)
         assert (workdir / "sweep" / str(job) / ".hydra" / "overrides.yaml").exists()
-        assert (workdir / "sweep" / str(job) / "metrics.jsonl").exists()
+    assert (workdir / "sweep" / "0" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_a_sweep_is_one_parent_with_a_child_per_job_and_returns_the_metric_it_optimizes(optuna_sweep):
-    workdir, _ = optuna_sweep
+def test_grid_sweep_is_one_parent_with_a_child_per_job(grid_sweep):
+    workdir, _ = grid_sweep
     client = MlflowClient(f"sqlite:///{workdir / 'outputs' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("smoke")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1 and len(runs) == 3
     parent = parents[0]
-    assert parent.data.tags["pipeline.sweep_dir"] == str(workdir / "sweep") and parent.info.status == "FINISHED"
+    assert parent.data.tags["pipeline.sweep_dir"] == str(workdir / "sweep")
+    assert parent.info.status == "FAILED"  # not every job succeeded
 
     children = children_of(client, experiment.experiment_id, parent.info.run_id)
-    assert [c.info.status for c in children] == ["FINISHED", "FINISHED"]
-    lrs = [float(c.data.params["optim.lr"]) for c in children]
-    assert all(1e-4 <= lr <= 3e-3 for lr in lrs) and lrs[0] != lrs[1]  # sampled, not the default
-    assert [c.info.run_name.split(": ")[0] for c in children] == ["job 0", "job 1"]
-    assert all("optim.lr=" in c.info.run_name for c in children)  # named by what the sampler chose
+    assert [c.data.params["optim.lr"] for c in children] == ["0.001", "0.001"]
+    assert [c.data.params["train.epochs"] for c in children] == ["1", "0"]
+    assert [c.info.status for c in children] == ["FINISHED", "FAILED"]
+    assert "train.epochs must be >= 1, got 0" in children[1].data.tags["pipeline.error"]
+    assert children[0].info.run_name == (
+        "job 0: optim.lr=0.001 train.epochs=1 ingest.batch_size=64 source.limit=256 scaling.num_workers=1 "
+        "tracking.register_as=smoke_vit"
+    )
     for child in children:
-        assert child.data.tags["pipeline.overrides"].startswith("+experiment=smoke hparams_search=optuna")
+        assert child.data.tags["pipeline.overrides"].startswith("+experiment=smoke optim.lr=")
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", child.data.tags["mlflow.source.git.commit"])
-    best = max(children, key=lambda c: c.data.metrics["val_accuracy"])
+    (best,) = [c for c in children if c.info.status == "FINISHED"]
     assert {"learning_curve.png", "config.yaml", "model"} <= {a.path for a in client.list_artifacts(best.info.run_id)}
     assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id
     assert parent.data.metrics["best_val_accuracy"] == best.data.metrics["val_accuracy"]
-    results = yaml.safe_load((workdir / "sweep" / "optimization_results.yaml").read_text())
-    assert results["best_value"] == pytest.approx(best.data.metrics["val_accuracy"])  # what Optuna was given
     champion = client.get_model_version_by_alias("smoke_vit", "champion")  # moved there as the sweep ended
     (model,) = client.search_logged_models([experiment.experiment_id], f"source_run_id = '{best.info.run_id}'")
     assert champion.run_id == best.info.run_id and champion.source == f"models:/{model.model_id}"  # its checkpoint
-    # each job's start-up counts from its own start (job 0: the command's), not from the process's
-    assert children[1].data.metrics["startup_s"] < children[0].data.metrics["startup_s"]  # Ray was up already
 
 
 def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_goes_on(tmp_path, data_root):
@@ -101,8 +103,6 @@ def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_go
     assert result.returncode == 1, output
     assert "Traceback" not in output and "Ray runtime up" not in output
     assert "2 jobs, 2 failed" in output
-    table = output[output.index("2 jobs, 2 failed") :]
-    assert re.search(r"1\s+FAILED\s+nan\s+.*train.epochs=0", table) and "train.epochs must be >= 1, got 0" in table
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("smoke")
     (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
@@ -116,10 +116,44 @@ def test_a_job_whose_overrides_do_not_compose_is_a_failed_child_and_the_sweep_go
     assert parent.info.status == "FAILED"
 
 
+@pytest.mark.slow
+def test_optuna_sweep_returns_the_metric_it_optimizes(tmp_path, data_root):
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2",
+            "train.epochs=1",
+            "ingest.batch_size=64",
+            "source.limit=256",
+            "scaling.num_workers=1",
+            "hydra.sweep.dir=sweep",
+        ],
+        tmp_path,
+        data_root,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("Ray runtime up") == 1  # the second training job reused the runtime
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("smoke")
+    parent = client.search_runs([experiment.experiment_id], filter_string="tags.`pipeline.sweep_dir` LIKE '%sweep'")[0]
+    children = children_of(client, experiment.experiment_id, parent.info.run_id)
+    assert [c.info.status for c in children] == ["FINISHED", "FINISHED"]
+    lrs = [float(c.data.params["optim.lr"]) for c in children]
+    assert all(1e-4 <= lr <= 3e-3 for lr in lrs) and lrs[0] != lrs[1]  # sampled, not the default
+    results = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    best = max(children, key=lambda c: c.data.metrics["val_accuracy"])
+    assert results["best_value"] == pytest.approx(best.data.metrics["val_accuracy"])
+    assert parent.data.tags["pipeline.best_run_id"] == best.info.run_id and parent.info.status == "FINISHED"
+    # each job's start-up counts from its own start (job 0: the command's), not from the process's
+    assert children[1].data.metrics["startup_s"] < children[0].data.metrics["startup_s"]  # Ray was up already
+
+
 @pytest.fixture
-def mlflow_ui(optuna_sweep):
+def mlflow_ui(grid_sweep):
     """A real MLflow server on loopback over the sweep's store."""
-    workdir, _ = optuna_sweep
+    workdir, _ = grid_sweep
     port = free_port()
     server = subprocess.Popen(
         [
@@ -151,7 +185,7 @@ def mlflow_ui(optuna_sweep):
     not (shutil.which("chromium") and shutil.which("chromedriver")),
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
-def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, optuna_sweep, tmp_path):
+def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, grid_sweep, tmp_path):
     """The link the run's last console line gives opens the run in the UI's "Model training" view, with its
     metrics, charts and registered model; the experiment's table shows the sweep. The experiment carries
     the experiment-kind tag, yet MLflow 3.17.2 opens its plain URL in the GenAI view: the canary of the
@@ -165,9 +199,9 @@ def test_mlflow_ui_shows_the_sweep_in_a_real_browser(mlflow_ui, optuna_sweep, tm
     experiment = client.get_experiment_by_name("smoke")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    child = next(r for r in runs if "mlflow.parentRunId" in r.data.tags)  # job 0
-    output = optuna_sweep[1].stdout + optuna_sweep[1].stderr
-    link = re.findall(r"see it with `mlflow ui --backend-store-uri \S+` at (http://127.0.0.1:5000/\S+)", output)[0]
+    child = next(r for r in runs if r.info.status == "FINISHED" and "mlflow.parentRunId" in r.data.tags)
+    output = grid_sweep[1].stdout + grid_sweep[1].stderr
+    (link,) = re.findall(r"see it with `mlflow ui --backend-store-uri \S+` at (http://127.0.0.1:5000/\S+)", output)
     assert link.endswith(f"#/experiments/{experiment.experiment_id}/runs/{child.info.run_id}?{UI_VIEW}")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
