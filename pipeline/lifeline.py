@@ -82,7 +82,13 @@ class Session:
                     self.raylet = process
 
     def raylet_gone(self) -> bool:
-        return self.raylet is not None and not self.raylet.is_running()
+        """Whether a local raylet has ended: killed, it stays this process's zombie, which psutil counts as running."""
+        if self.raylet is None:
+            return False
+        try:
+            return self.raylet.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
     def end(self) -> None:
         for process in self.processes.values():
