@@ -79,6 +79,13 @@ def submit(
     )
 
 
+def driver(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -m pipeline ARGS`` on this machine: a driver of its own, not a job."""
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 def ray_job(head, *args: str) -> subprocess.CompletedProcess:
     """``ray job ARGS`` against the head's Jobs API, as a client with its token."""
     return subprocess.run(
@@ -97,14 +104,7 @@ def test_joining_a_token_cluster_without_the_token_mode_stops_before_anything_wi
     env = {**cli_env(data_root), "HOME": head.env["HOME"], "RAY_ADDRESS": head.address}
     env.pop("RAY_AUTH_MODE", None)  # a local ray.init() in this process set it
     env["RAY_gcs_server_port_wait_time_s"] = "3"  # Ray's connection attempts: 3, not 20, for the test's time
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = driver(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}"], tmp_path, env)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-2000:]
     assert f"ray.address: the Ray cluster at '{head.address}' uses token authentication and refused" in output
@@ -166,21 +166,15 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
     # stage=evaluate (predict's path: models:/ through the server, then scored) from a driver on the user's
     # own machine, joining the head through RAY_ADDRESS with the token (docs/cluster.md's other route)
     joined = {**cli_env(data_root), **env_vars, "HOME": head.env["HOME"], "RAY_AUTH_MODE": "token"}
-    evaluate = subprocess.run(
+    evaluate = driver(
         [
-            sys.executable,
-            "-m",
-            "pipeline",
             "+experiment=submitted",
             "stage=evaluate",
             "predict.run=models:/submitted@champion",
             f"predict.output={tmp_path / 'evaluated'}",
         ],
-        cwd=project,
-        env={**joined, "RAY_ADDRESS": head.address},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        project,
+        {**joined, "RAY_ADDRESS": head.address},
     )
     output = evaluate.stdout + evaluate.stderr
     assert evaluate.returncode == 0, output[-4000:]
