@@ -287,7 +287,8 @@ class Tracker:
         if self.storage is None:
             return
         for path, metrics in checkpoint.reports(self.storage.filesystem, f"{self.storage.path}/{self.storage.name}"):
-            if metrics["epoch"] not in self.logged:
+            finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+            if metrics["epoch"] not in self.logged and finite:  # NaN failed the run before it reached MLflow
                 log.warning(
                     "epoch %d: logged from its checkpoint's report; it never reached the driver", metrics["epoch"] + 1
                 )

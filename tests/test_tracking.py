@@ -92,10 +92,11 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     tracker.set_storage(storage)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
     figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0}
-    for epoch in (0, 1):  # both saved; only epoch 0's report reached the driver
+    for epoch in (0, 1, 2):  # all saved; only epoch 0's report reached the driver; epoch 2's loss is NaN
         saved = tmp_path / "checkpoints" / tracker.run_id / f"checkpoint_2026-11-26_00-00-0{epoch}"
         saved.mkdir(parents=True)
-        checkpoint.save({"epoch": epoch}, str(saved), {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch})
+        nan = {"val_loss": float("nan")} if epoch == 2 else {}
+        checkpoint.save({"epoch": epoch}, str(saved), {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan})
     tracker.log_epoch({**figures, "epoch": 0})
     with pytest.raises(SystemExit), tracker:  # ends the run: KILLED here, as on SIGTERM
         raise SystemExit(143)
@@ -114,5 +115,5 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     history = client.get_metric_history(tracker.run_id, "val_accuracy")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 1.2), (2, 0.95)]
     assert resumed.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
-        "epoch": 1
+        "epoch": 2
     }
