@@ -123,17 +123,22 @@ def kept_models(client: MlflowClient, experiment_id: str, run_id: str) -> tuple[
 
 def register_model(client: MlflowClient, run_id: str, name: str, alias: str | None, model_id: str) -> str:
     """The LoggedModel ``model_id`` as a new version of the registered model ``name`` (created the first
-    time), with ``alias`` moved to it when given; the version."""
-    try:
-        client.create_registered_model(name)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    with global_tracking_uri(client.tracking_uri):
-        version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id)
+    time), with ``alias`` moved to it when given; the version. A run registers one version: the one it has
+    (a delivery cut off after registering) is kept."""
+    version = registered_version(client, name, run_id)
+    if version is None:
+        try:
+            client.create_registered_model(name)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        with global_tracking_uri(client.tracking_uri):
+            version = client.create_model_version(
+                name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id
+            ).version
     if alias:
-        client.set_registered_model_alias(name, alias, version.version)
-    return version.version
+        client.set_registered_model_alias(name, alias, version)
+    return version
 
 
 def registered_version(client: MlflowClient, name: str, run_id: str) -> str | None:
@@ -206,9 +211,14 @@ class CheckpointModels:
         self.kept, self.pending = kept_models(client, experiment_id, run_id)  # a resumed run's earlier ones too
 
     def start(self, epoch: int, checkpoint: str) -> str:
-        """A LoggedModel for the checkpoint (a path in the run's storage) of ``epoch``; its id."""
-        kept = start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
-        self.pending.append(kept)
+        """The LoggedModel for the checkpoint (a path in the run's storage) of ``epoch``: the one the run
+        has (a delivery cut off after making it), else a new one; its id."""
+        ready, pending = kept_models(self.client, self.experiment_id, self.run_id)
+        kept = next((k for k in ready + pending if k.epoch == epoch and k.checkpoint == checkpoint), None)
+        if kept is None:
+            kept = start_model(self.client, self.run_id, self.experiment_id, epoch, checkpoint)
+        if kept not in self.pending + self.kept:
+            (self.kept if kept in ready else self.pending).append(kept)
         return kept.model_id
 
     def finish(
@@ -234,13 +244,13 @@ class CheckpointModels:
         longer keeps (not in ``keep``, when given: ``train.num_to_keep``) are deleted, as are those whose
         checkpoint is gone. A model that cannot be saved fails the run, naming the error."""
         for kept in [k for k in self.kept if keep is not None and k.checkpoint not in keep]:
-            self.client.delete_logged_model(kept.model_id)
+            self.forget(kept)
             self.kept.remove(kept)
-        pending, self.pending = self.pending, []
-        for kept in pending:
+        for kept in list(self.pending):  # each taken off once done: a save the server cut off goes on from there
             dropped = keep is not None and kept.checkpoint not in keep
             if dropped or filesystem.get_file_info(kept.checkpoint).type == pafs.FileType.NotFound:
-                self.client.delete_logged_model(kept.model_id)
+                self.forget(kept)
+                self.pending.remove(kept)
                 continue
             try:
                 with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
@@ -250,7 +260,16 @@ class CheckpointModels:
                     f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
                     f"({type(err).__name__}: {err}). Set tracking.log_model=false to train without logged models."
                 ) from err
+            self.pending.remove(kept)
             self.kept.append(kept)
+
+    def forget(self, kept: Kept) -> None:
+        """Delete a LoggedModel whose checkpoint is not kept (gone already: a delete the server cut off)."""
+        try:
+            self.client.delete_logged_model(kept.model_id)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
 
     def best(self, metric: str | None, mode: str) -> Kept | None:
         """The kept checkpoint best by ``metric`` (``mode``: max or min; the earliest of equals), or the

@@ -28,7 +28,7 @@ from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, evaluate, models, preprocess, runs, source, tracking, workarounds
+from pipeline import cluster, console, delivery, evaluate, models, preprocess, runs, source, tracking, workarounds
 from pipeline.checkpoint import autocast_settings, feature_scaler, is_checkpoint
 from pipeline.checkpoint import load as load_state
 from pipeline.config import (
@@ -295,7 +295,7 @@ def run(cfg: PipelineConfig, job) -> dict:
             every = classes or list(range(trained_cfg.source.num_classes or 0))  # what the model can predict
             metrics |= evaluate.report(client, run_id, table, label, task_cfg, every)
         measured_on = (tracking.dataset_name(split), split.digest)
-        tracking.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
+        delivery.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, redact(output))
     return metrics

@@ -69,6 +69,7 @@ def run(cfg: PipelineConfig, job: Job) -> dict:
             tracker.expected_rows = expected_rows(data.rows, cfg.scaling.num_workers, cfg.ingest.drop_last)
             storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage)
+            tracker.spool_to(job.run_dir)  # from here on, training never waits on the tracking server
             tracker.reconcile()  # a resumed run: the epoch an interrupted attempt saved but did not log
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
             progress = console.Progress(cfg.train.epochs, steps, wait_limit)
@@ -78,9 +79,8 @@ def run(cfg: PipelineConfig, job: Job) -> dict:
             if tracker.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's
-            tracker.models.finish(
+            tracker.finish_models(
                 workarounds.kept_checkpoints(result),
-                storage.filesystem,
                 cfg.train.checkpoint_metric,  # the best by it, or else the last
                 trainer.checkpoint_mode(cfg.train, cfg.task),
                 cfg.tracking.register_as,
@@ -122,7 +122,7 @@ def resume_hint(tracker: Tracker) -> Iterator[None]:
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
-        name = tracker.client.get_run(tracker.run_id).info.run_name
+        name = tracker.name
         log.warning(
             "interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
             "command plus: train.resume=true tracking.run_name=%s",
@@ -134,7 +134,7 @@ def resume_hint(tracker: Tracker) -> Iterator[None]:
 
 def ray_lost(tracker: Tracker, what: str) -> None:
     """Ray went away under training (:mod:`pipeline.lifeline`): the run ends FAILED, saying how to continue."""
-    name = tracker.client.get_run(tracker.run_id).info.run_name
+    name = tracker.name
     err = PipelineError(
         f"Ray was lost under the run: {what} (a head node or raylet killed, by an OOM killer or with its "
         f"machine). MLflow run {name!r} is recorded FAILED; its checkpoints stay in {tracker.storage.uri}. Once "

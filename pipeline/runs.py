@@ -219,7 +219,7 @@ def recorded(client: MlflowClient, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        end_run(client, run_id, end_status(err), err)
+        end_run(client, run_id, end_status(err), error_text(err))
         raise
     end_run(client, run_id, "FINISHED")
 
@@ -231,8 +231,13 @@ def end_status(error: BaseException | None) -> str:
     return "KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED"
 
 
-def end_run(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:
-    """Close the run as FINISHED, FAILED or KILLED; a failure keeps its message as a tag."""
+def error_text(error: BaseException) -> str:
+    """An error as a run keeps it: its type and message."""
+    return f"{type(error).__name__}: {error}"
+
+
+def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = None) -> None:
+    """Close the run as FINISHED, FAILED or KILLED; a failure keeps its message (:func:`error_text`) as a tag."""
     if error is not None:
-        client.set_tag(run_id, ERROR_TAG, f"{type(error).__name__}: {error}"[:MAX_TAG_LENGTH])
+        client.set_tag(run_id, ERROR_TAG, error[:MAX_TAG_LENGTH])
     client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))

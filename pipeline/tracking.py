@@ -18,18 +18,20 @@ import time
 import pyarrow as pa
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, Param
 from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-from pipeline import checkpoint, models
+from pipeline import checkpoint
 from pipeline.config import PipelineConfig, logged
 from pipeline.console import data_wait_note
+from pipeline.delivery import Delivery, metrics_record
 from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import RunStorage
-from pipeline.metrics import LOSSES, epoch_metrics, first_task_metric
-from pipeline.runs import MAX_TAG_LENGTH, STORAGE_TAG, Store, end_run, end_status, reopen, reopen_run, start_run
+from pipeline.metrics import epoch_metrics, first_task_metric
+from pipeline.runs import MAX_TAG_LENGTH, STORAGE_TAG, Store, end_status, error_text, reopen, reopen_run, start_run
+from pipeline.spool import SPOOL_FILE, Spool, sent_marker
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_e
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
+END_WAIT_S = 10.0  # how long a run that failed or was stopped waits for the tracking server: within Ray's stop grace
 
 
 def flatten(node: object, prefix: str = "") -> dict[str, str]:
@@ -79,36 +82,9 @@ def logged_config(client: MlflowClient, run_id: str) -> PipelineConfig:
         return logged(yaml.safe_load(file), f"run {run_id}")
 
 
-def log_metrics(
-    client: MlflowClient,
-    run_id: str,
-    metrics: dict,
-    step: int,
-    model_id: str | None = None,
-    dataset_of: dict[str, tuple[str, str]] | None = None,
-) -> None:
-    """``metrics`` (name -> number) in one request, at ``step``; linked to the LoggedModel ``model_id`` when
-    given, and to the dataset each was measured on (``dataset_of``: metric -> dataset name and digest)."""
-    now, dataset_of = int(time.time() * 1000), dataset_of or {}
-    records = [
-        Metric(key, float(value), now, step, model_id, *dataset_of.get(key, (None, None)))
-        for key, value in metrics.items()
-    ]
-    client.log_batch(run_id, metrics=records)
-
-
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
     """Epochs whose metrics the run already holds (a resumed run continues after them)."""
     return {m.step for m in client.get_metric_history(run_id, "train_loss")}
-
-
-def epoch_history(client: MlflowClient, run_id: str, keys: tuple[str, ...]) -> list[dict]:
-    """Every logged epoch's ``keys`` from the store, in epoch order (all attempts of a resumed run)."""
-    by_epoch: dict[int, dict] = {}
-    for key in keys:
-        for metric in client.get_metric_history(run_id, key):
-            by_epoch.setdefault(metric.step, {"epoch": metric.step})[key] = metric.value
-    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
 def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict | None) -> None:
@@ -159,53 +135,32 @@ def mlflow_type(kind: pa.DataType):
     return "string"
 
 
-def log_learning_curve(client: MlflowClient, run_id: str, metric: str) -> None:
-    """``learning_curve.png``: train/val loss and the task's first metric against epoch, as the store holds them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    history = epoch_history(client, run_id, (*LOSSES, metric))
-    epochs = [m["epoch"] + 1 for m in history]
-    fig, loss_axis = plt.subplots(figsize=(6, 4))
-    loss_axis.plot(epochs, [m["train_loss"] for m in history], "o-", label="train_loss")
-    loss_axis.plot(epochs, [m["val_loss"] for m in history], "s-", label="val_loss")
-    loss_axis.set_xlabel("epoch")
-    loss_axis.set_ylabel("loss")
-    metric_axis = loss_axis.twinx()
-    metric_axis.plot(epochs, [m.get(metric, math.nan) for m in history], "^-", color="tab:green", label=metric)
-    metric_axis.set_ylabel(metric.removeprefix("val_"))
-    handles = loss_axis.get_legend_handles_labels()[0] + metric_axis.get_legend_handles_labels()[0]
-    loss_axis.legend(handles, [h.get_label() for h in handles], loc="center right")
-    loss_axis.set_xticks(epochs)
-    fig.tight_layout()
-    client.log_figure(run_id, fig, "learning_curve.png")
-    plt.close(fig)
-
-
 class Tracker:
     """A training job's MLflow run: created (or, with ``train.resume``, reopened) when training is about
     to start, each epoch logged exactly once, restores counted, the learning curve drawn and the end
-    state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise."""
+    state set when the ``with`` block ends: FINISHED, KILLED on Ctrl-C or SIGTERM, FAILED otherwise.
+
+    Each write is a record (:mod:`pipeline.delivery`) written at once, or, once :meth:`spool_to` is called,
+    kept on disk and sent by the spool's thread (:mod:`pipeline.spool`), so training never waits on the server."""
 
     def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: PipelineConfig):
         self.client, self.uri, self.run_id, self.experiment_id = store.client, store.uri, run_id, store.experiment_id
         self.cfg, task = cfg, cfg.task
         self.metrics = list(epoch_metrics(task.type, task.metrics))  # what each epoch reports
-        self.curve_metric = first_task_metric(task.metrics)  # drawn beside the losses
         self.settings = cfg.tracking
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         self.started_at = started_at  # startup_s counts from here
+        self.name = store.client.get_run(run_id).info.run_name  # for the messages given while the server is away
         self.logged = logged_epochs(store.client, run_id)  # a resumed run holds its first epochs already
+        self.restores = len(store.client.get_metric_history(run_id, RESTORES_METRIC))
         self.rerun: set[int] = set()  # logged epochs that training runs again, restored from an older checkpoint
         self.last: dict | None = None  # the latest epoch's metrics
         self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
         self.expected_rows: dict[str, int] = {}
         self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
-        # a LoggedModel per checkpoint: made as its epoch is logged, its files saved once training ends
-        self.models = models.CheckpointModels(self.client, self.experiment_id, run_id, cfg)
+        self.delivery = Delivery(self.client, self.experiment_id, run_id, cfg, first_task_metric(task.metrics))
+        self.spool: Spool | None = None
         self._startup_logged = False
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
@@ -238,15 +193,30 @@ class Tracker:
         found = store.runs_where(tag, value)
         return cls(store, reopen(store.client, found[0]), None, time.time(), cfg) if found else None
 
+    def spool_to(self, directory: str) -> None:
+        """From now on every write is kept in ``directory``'s spool and sent from there."""
+        header = {"run_id": self.run_id, "experiment_id": self.experiment_id, "tracking_uri": redact(self.uri)}
+        remote = self.uri.startswith(("http://", "https://"))
+        self.spool = Spool(os.path.join(directory, SPOOL_FILE), header, self.delivery, remote)
+
+    def write(self, record: dict) -> None:
+        if self.spool is None:
+            self.delivery(record)
+        else:
+            self.spool.add(record)
+
+    def tag(self, key: str, value: str) -> None:
+        self.write({"kind": "tags", "tags": {key: value[:MAX_TAG_LENGTH]}})
+
     def set_storage(self, storage: RunStorage) -> None:
         """Where Ray Train keeps this run's checkpoints (what ``train.resume`` continues from)."""
         self.storage = storage
-        self.client.set_tag(self.run_id, STORAGE_TAG, storage.uri)
+        self.tag(STORAGE_TAG, storage.uri)
 
     def log_startup(self, first_step_at: float, epoch: int) -> None:
         """``startup_s``: from the command (a sweep's later jobs: their own start) to the first training step."""
         if not self._startup_logged:
-            self.client.log_metric(self.run_id, "startup_s", first_step_at - self.started_at, step=epoch)
+            self.write(metrics_record({"startup_s": first_step_at - self.started_at}, epoch))
             self._startup_logged = True
 
     def log_epoch(self, metrics: dict, checkpoint: str | None = None) -> None:
@@ -261,19 +231,19 @@ class Tracker:
         if epoch in self.logged:
             raise PipelineError(f"epoch {epoch} was reported twice; its first metrics stand in MLflow.")
         self.logged.add(epoch)
-        model_id = None
-        if checkpoint is not None and self.settings.log_model:
-            model_id = self.models.start(epoch, checkpoint)
-        log_metrics(self.client, self.run_id, {k: metrics[k] for k in self.metrics}, epoch, model_id, self.dataset_of)
+        model = (
+            {"epoch": epoch, "checkpoint": checkpoint} if checkpoint is not None and self.settings.log_model else None
+        )
+        self.write(metrics_record({k: metrics[k] for k in self.metrics}, epoch, model, self.dataset_of))
         note = data_wait_note(metrics["data_wait_fraction"], self.settings.data_wait_warning)
         if note is not None:
-            self.client.set_tag(self.run_id, DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
+            self.tag(DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")
         if "stopped_early" in metrics:  # train.early_stop ended training after this epoch
             self.stopped_early = f"after epoch {epoch + 1} by train.early_stop: {metrics['stopped_early']}"
-            self.client.set_tag(self.run_id, STOPPED_TAG, self.stopped_early)
+            self.tag(STOPPED_TAG, self.stopped_early)
         skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
         if skipped:
-            self.client.log_metric(self.run_id, "skipped_rows", skipped, step=epoch)
+            self.write(metrics_record({"skipped_rows": skipped}, epoch))
             log.warning(
                 "epoch %d: %d row(s) never reached training (skipped by a transform; Ray's worker logs name them)",
                 epoch + 1,
@@ -296,17 +266,17 @@ class Tracker:
 
     def log_step_loss(self, loss: float, global_step: int) -> None:
         """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
-        self.client.log_metric(self.run_id, STEP_LOSS_METRIC, loss, step=global_step)
+        self.write(metrics_record({STEP_LOSS_METRIC: loss}, global_step))
 
     def flag_no_learning(self, verdict: str) -> None:
         """Mark a run whose model scores no better than a constant prediction (:func:`pipeline.task.no_learning`)."""
-        self.client.set_tag(self.run_id, NO_LEARNING_TAG, verdict[:MAX_TAG_LENGTH])
+        self.tag(NO_LEARNING_TAG, verdict)
 
     def log_restore(self, epoch: int) -> None:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
         self.rerun = {logged for logged in self.logged if logged >= epoch}
-        count = len(self.client.get_metric_history(self.run_id, RESTORES_METRIC)) + 1
-        self.client.log_metric(self.run_id, RESTORES_METRIC, count, step=epoch)
+        self.restores += 1
+        self.write(metrics_record({RESTORES_METRIC: self.restores}, epoch))
 
     def log_data(self, splits: dict, statistics: dict | None) -> None:
         """What the run trains and validates on (a resumed run logged it on its first start)."""
@@ -319,21 +289,66 @@ class Tracker:
 
     def log_start_weights(self, initial) -> None:
         """Where the weights came from, and which of the head's started fresh (a :class:`pipeline.finetune.Initial`)."""
-        self.client.set_tag(self.run_id, START_WEIGHTS_TAG, redact(initial.summary())[:MAX_TAG_LENGTH])
+        self.tag(START_WEIGHTS_TAG, redact(initial.summary()))
 
     def log_cache(self, plan) -> None:
         """What ``ingest.cache`` kept (a :class:`pipeline.preprocess.CachePlan`): the ``pipeline.cache`` tag,
         and per cached split ``cache_<split>_mib`` and ``cache_<split>_s`` (from submission to built)."""
-        self.client.set_tag(self.run_id, CACHE_TAG, plan.summary()[:MAX_TAG_LENGTH])
+        self.tag(CACHE_TAG, plan.summary())
         for name, built in plan.built.items():
-            self.client.log_metric(self.run_id, f"cache_{name}_mib", built["bytes"] / 2**20)
-            self.client.log_metric(self.run_id, f"cache_{name}_s", built["seconds"])
+            self.write(
+                metrics_record({f"cache_{name}_mib": built["bytes"] / 2**20, f"cache_{name}_s": built["seconds"]}, 0)
+            )
+
+    def finish_models(
+        self, keep: set[str] | None, metric: str | None, mode: str, register_as: str | None, alias: str | None
+    ) -> None:
+        """Training ended: the kept checkpoints' LoggedModels get their files, the best is the run's model
+        (:meth:`pipeline.models.CheckpointModels.finish`)."""
+        kept = None if keep is None else sorted(keep)
+        self.write(
+            {
+                "kind": "models",
+                "keep": kept,
+                "storage": self.storage.uri,
+                "metric": metric,
+                "mode": mode,
+                "register_as": register_as,
+                "alias": alias,
+            }
+        )
 
     def end(self, status: str, error: BaseException | None = None) -> None:
-        """The learning curve, if any epoch was logged, then the end state."""
-        if self.logged:
-            log_learning_curve(self.client, self.run_id, self.curve_metric)
-        end_run(self.client, self.run_id, status, error)
+        """The learning curve, if any epoch was logged, then the end state; with a spool, once the server has
+        the whole record, for ``tracking.server_wait_s`` at most (a few seconds for a run that did not finish)."""
+        self.write({"kind": "end", "status": status, "error": None if error is None else error_text(error)})
+        if self.spool is None:
+            return
+        wait = self.settings.server_wait_s if status == "FINISHED" else min(self.settings.server_wait_s, END_WAIT_S)
+        if self.spool.flush(wait):
+            return
+        kept = self.keep_spool()
+        message = (
+            f"the MLflow tracking server at {redact(self.uri)} did not take run {self.name!r} ({self.run_id}) "
+            f"within {wait:.0f} s of its end (tracking.server_wait_s), so MLflow holds only part of it. The whole "
+            f"record is kept in {self.spool.path}{f' and {kept}' if kept else ''}. Once the server answers, upload "
+            f"it into the same run with: python -m pipeline.sync {self.spool.path}"
+        )
+        if status != "FINISHED":  # the run's own error stays the one raised
+            log.error("%s", message)
+            return
+        raise PipelineError(message)
+
+    def keep_spool(self) -> str | None:
+        """The spool copied beside the run's checkpoints (a job's output directory may not outlive it); where."""
+        if self.storage is None:
+            return None
+        target = f"{self.storage.path}/{self.storage.name}/{SPOOL_FILE}"
+        for source, name in ((self.spool.path, target), (sent_marker(self.spool.path), sent_marker(target))):
+            if os.path.exists(source):
+                with open(source, "rb") as file, self.storage.filesystem.open_output_stream(name) as out:
+                    out.write(file.read())
+        return f"{self.storage.uri}/{SPOOL_FILE}"
 
     def __enter__(self) -> Tracker:
         """Start MLflow's system metrics (this node's CPU, memory, disk, network, and GPU when pynvml
@@ -353,7 +368,8 @@ class Tracker:
 
     def close(self, error: BaseException | None) -> None:
         """The system metrics stopped, the epochs the checkpoints hold logged, the run ended as ``error`` says."""
-        if self._system_metrics is not None:
+        away = self.spool is not None and self.spool.away_since is not None
+        if self._system_metrics is not None and not away:  # its last samples are not worth MLflow's retries
             self._system_metrics.finish()  # flushed before the run ends: an ended run takes no metrics
         try:
             self.reconcile()

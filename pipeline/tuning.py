@@ -248,7 +248,7 @@ class TrialRecorder(tune.Callback):
         if result.get("placement_group"):
             self.groups[trial.trial_id] = result["placement_group"]
         if "node_id" in result:
-            tracker.client.set_tag(tracker.run_id, "pipeline.node_id", result["node_id"])
+            tracker.tag("pipeline.node_id", result["node_id"])
         with open(os.path.join(trial_dir(self.sweep_dir, trial.trial_id), "metrics.jsonl"), "a") as out:
             out.write(json.dumps({k: v for k, v in result.items() if k != "config"}, default=str) + "\n")
         log.info(
@@ -270,12 +270,11 @@ class TrialRecorder(tune.Callback):
             return
         if done < epochs and tracker.stopped_early is None:  # stopped by the scheduler, not by itself
             note = f"after epoch {done} of {epochs}" + (f" by {self.scheduler}" if self.scheduler else "")
-            tracker.client.set_tag(tracker.run_id, tracking.STOPPED_TAG, note)
+            tracker.tag(tracking.STOPPED_TAG, note)
             log.info("trial %s stopped early %s", trial.trial_id, note)
         train = running.cfg.train
-        tracker.models.finish(  # the alias: the sweep's best trial's, when it ends
+        tracker.finish_models(  # the alias: the sweep's best trial's, when it ends
             None,
-            tracker.storage.filesystem,
             train.checkpoint_metric,
             checkpoint_mode(train, running.cfg.task),
             running.cfg.tracking.register_as,

@@ -89,12 +89,12 @@ def postgres():
 
 
 @contextlib.contextmanager
-def mlflow_server(backend_uri: str, s3_endpoint: str, artifacts: str):
-    """``mlflow server`` on a free loopback port, runs in ``backend_uri``, artifacts proxied to ``artifacts``
-    (an s3:// URI on the S3 server at ``s3_endpoint``): clients upload and download through the server and
-    need no S3 credentials. Yields its URL."""
-    port = free_port()
-    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_endpoint}
+def mlflow_server(backend_uri: str, artifacts: str, s3_endpoint: str | None = None, port: int | None = None):
+    """``mlflow server`` on a loopback port (``port``, else a free one), runs in ``backend_uri``, artifacts
+    proxied to ``artifacts`` (a directory, or an s3:// URI on the S3 server at ``s3_endpoint``): clients
+    upload and download through the server and need no S3 credentials. Yields its URL."""
+    port = port or free_port()
+    env = {**os.environ, **({"MLFLOW_S3_ENDPOINT_URL": s3_endpoint} if s3_endpoint else {})}
     server = subprocess.Popen(
         [
             str(BIN / "mlflow"),

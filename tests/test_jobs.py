@@ -41,7 +41,7 @@ def head():
 @pytest.fixture(scope="module")
 def tracking_server(s3_endpoint):
     """The team's server: runs in PostgreSQL, artifacts in s3://runs/mlartifacts through the server."""
-    with postgres() as database, mlflow_server(database, s3_endpoint, "s3://runs/mlartifacts") as url:
+    with postgres() as database, mlflow_server(database, "s3://runs/mlartifacts", s3_endpoint) as url:
         yield url
 
 

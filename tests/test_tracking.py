@@ -48,7 +48,7 @@ def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
         tags = {runs.STORAGE_TAG: f"/ckpt/{status}"}
         run_id = client.create_run(experiment, run_name=f"r-{status}", tags=tags).info.run_id
         if status != "RUNNING":
-            runs.end_run(client, run_id, status, RuntimeError("stopped"))
+            runs.end_run(client, run_id, status, "RuntimeError: stopped")
         assert runs.reopen_run(store, f"r-{status}") == (run_id, f"/ckpt/{status}")
         reopened = client.get_run(run_id)
         assert reopened.info.status == "RUNNING" and runs.ERROR_TAG not in reopened.data.tags

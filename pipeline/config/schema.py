@@ -187,6 +187,9 @@ class TrackingConfig:
     log_every_n_steps: int = 50  # rank 0's batch loss as train_loss_step (MLflow step: global step); 0: off
     system_metrics_s: Optional[float] = 10.0  # MLflow's system metrics (CPU, memory, GPU) every N s; null: off
     data_wait_warning: float = 0.2  # an epoch whose data_wait_fraction is above this says so (console, MLflow)
+    # training never waits on the tracking server (its writes are spooled on disk); a finished run waits this
+    # long for an unanswering server to take its record, then leaves it for `python -m pipeline.sync`
+    server_wait_s: float = 300.0
 
 
 @dataclass
