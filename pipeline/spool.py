@@ -24,7 +24,7 @@ from mlflow.exceptions import MlflowException, RestException
 log = logging.getLogger(__name__)
 
 SPOOL_FILE = "mlflow-spool.jsonl"  # the header (which run), then one record a line
-RETRY_S = 5.0  # between tries of a record the tracking server did not take
+RETRY_S = 2.0  # between tries of a record the tracking server did not take
 
 
 def server_away(err: BaseException) -> bool:

@@ -75,6 +75,15 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
+def capture_warnings(caplog, monkeypatch, name: str) -> None:
+    """Logger ``name``'s warnings into ``caplog``, whatever another test of this process left of logging (a
+    root at ERROR, a library's fileConfig that disabled existing loggers)."""
+    logger = logging.getLogger(name)
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "handlers", [caplog.handler])
+    caplog.set_level(logging.WARNING, logger=name)
+
+
 def write_split(directory: Path, rows: int, files: int, seed: int, columns=("image", "label")) -> None:
     """``rows`` random 32x32 RGB JPEGs whose label (0-9) sets the mean brightness, so it is learnable."""
     rng = np.random.default_rng(seed)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, jpeg, write_split
+from conftest import capture_warnings, compose_cfg, jpeg, write_split
 from PIL import Image
 
 from pipeline.errors import PipelineError
@@ -128,12 +127,7 @@ def test_a_null_image_is_named_like_bad_bytes(tmp_path):
 
 
 def test_skipping_drops_only_the_bad_rows(tmp_path, caplog, monkeypatch):
-    # whatever another test of this process left of logging (a root at ERROR, a library's fileConfig that
-    # disabled existing loggers), the warning reaches caplog
-    logger = logging.getLogger("transforms.image")
-    monkeypatch.setattr(logger, "disabled", False)
-    monkeypatch.setattr(logger, "handlers", [caplog.handler])
-    caplog.set_level(logging.WARNING, logger="transforms.image")
+    capture_warnings(caplog, monkeypatch, "transforms.image")
     out = decode_image(file_with_a_bad_row(tmp_path), on_error="skip")
     assert out["image"].shape == (3, 3, 32, 32)
     np.testing.assert_array_equal(out["label"], [0, 1, 3])  # every column lost the same row
