@@ -23,6 +23,8 @@ def quiet_libraries() -> None:
         if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
             handler.setLevel(logging.CRITICAL)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    # a retry of an unanswered request, per request: the spool says once when the tracking server goes and comes back
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
