@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import compose_cfg
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException, RestException
 
-from pipeline import runs, tracking
+from pipeline import runs, spool, tracking
 from pipeline.build import Job
 
 
@@ -117,3 +118,40 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     assert resumed.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
         "epoch": 2
     }
+
+
+def test_a_spool_retries_what_an_away_server_did_not_take_and_stops_at_what_a_store_refused(tmp_path):
+    """Over HTTP, a record the server did not answer for is tried again, in order, until it is taken; a record
+    the store refused (a 4xx, or any error of a local store) stops delivery and is raised by flush."""
+    refused = RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad key"})
+    assert not spool.server_away(refused) and spool.server_away(MlflowException("API request failed: refused"))
+    assert spool.server_away(RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "503"}))
+
+    delivered, answers = [], [MlflowException("refused"), MlflowException("refused"), None, None]
+
+    def flaky(record: dict) -> None:
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+        delivered.append(record["n"])
+
+    away = spool.Spool(str(tmp_path / "away.jsonl"), {"run_id": "r"}, flaky, remote=True)
+    away.add({"n": 1})
+    away.add({"n": 2})
+    assert away.flush(30) and delivered == [1, 2]  # the first one tried three times, the second after it
+    header, records, sent = spool.read(str(tmp_path / "away.jsonl"))
+    assert header == {"run_id": "r"} and records == [{"n": 1}, {"n": 2}] and sent == 2
+
+    def refuse(record: dict) -> None:
+        raise refused
+
+    stopped = spool.Spool(str(tmp_path / "refused.jsonl"), {}, refuse, remote=True)
+    stopped.add({"n": 1})
+    with pytest.raises(RestException, match="bad key"):
+        stopped.flush(30)
+    local = spool.Spool(str(tmp_path / "local.jsonl"), {}, flaky, remote=False)  # a local store is never "away"
+    answers.append(MlflowException("database is locked"))
+    local.add({"n": 3})
+    with pytest.raises(MlflowException, match="database is locked"):
+        local.flush(30)
+    assert spool.read(str(tmp_path / "local.jsonl"))[2] == 0
