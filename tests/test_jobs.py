@@ -29,6 +29,11 @@ from pipeline import workarounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(postgres_available() is not None, reason=str(postgres_available()))]
 ROOT = Path(__file__).resolve().parents[1]
+# `ray job stop JOB` once a line comes on stdin: the CLI imported ahead (seconds on a busy machine, an epoch here)
+STOP_WHEN_TOLD = (
+    "import sys, ray.scripts.scripts as cli; sys.stdin.readline(); "
+    "sys.argv[:] = ['ray', 'job', 'stop', sys.argv[1]]; cli.main()"
+)
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +228,26 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     env_vars = {"MLFLOW_TRACKING_URI": tracking_server}  # the credentials: the head's own environment
     started = submit(head, project, command, {**env_vars, "RAY_JOB_STOP_WAIT_TIME_S": "30"}, "--no-wait")
     (job,) = re.findall(r"Job '(raysubmit_\w+)' submitted successfully", started.stdout)
-    client = MlflowClient(tracking_server)
-    deadline = time.monotonic() + 300
-    while not (runs := runs_of(client, "stopped")) or not client.get_metric_history(runs[0].info.run_id, "train_loss"):
-        assert time.monotonic() < deadline, ray_job(head, "logs", job).stdout[-3000:]
-        time.sleep(0.2)
-    stopped = ray_job(head, "stop", job)
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    client, fs = MlflowClient(tracking_server), pafs.S3FileSystem(endpoint_override=s3_endpoint)
+    stop = subprocess.Popen(
+        [sys.executable, "-c", STOP_WHEN_TOLD, job],
+        env={**head.env, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": head.dashboard},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (runs := runs_of(client, "stopped")) or not checkpoints(
+            fs, f"s3://runs/checkpoints/{runs[0].info.run_id}"
+        ):
+            assert time.monotonic() < deadline, ray_job(head, "logs", job).stdout[-3000:]
+            time.sleep(0.2)  # until epoch 1's checkpoint is on S3: epoch 2 is under way
+        _, stopped = stop.communicate("\n", timeout=120)
+    finally:
+        stop.kill()
+    assert stop.returncode == 0, stopped[-2000:]
     output = ray_job(head, "logs", job).stdout
     (run,) = runs_of(client, "stopped")
     assert run.info.status == "KILLED", output[-3000:]
@@ -239,7 +257,6 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     assert reached in (1, 2)  # stopped during epoch 2 (or, at worst, right after it)
     storage = f"s3://runs/checkpoints/{run.info.run_id}"
     assert run.data.tags["pipeline.storage"] == storage
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint)
     with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
         newest = torch.load(stream, weights_only=True)["epoch"]
     # never behind the record; one ahead when its upload ended as the driver did (resuming logs it)

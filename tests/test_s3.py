@@ -41,7 +41,7 @@ def s3_source(endpoint: str, root: str, *overrides: str) -> SourceConfig:
 
 def checkpoints(fs: pafs.FileSystem, storage: str) -> list[str]:
     """The checkpoint files under an s3:// run storage, oldest first (Ray names their folders by time)."""
-    found = fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True))
+    found = fs.get_file_info(pafs.FileSelector(storage.removeprefix("s3://"), recursive=True, allow_not_found=True))
     return sorted(f.path for f in found if f.path.endswith("/checkpoint.pt"))
 
 
