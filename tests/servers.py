@@ -161,7 +161,14 @@ def ray_head(num_cpus: int = 4):
     temp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths have a length limit
     home = temp / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    # RAY_TMPDIR: this head's processes look up "the cluster" (Ray Train's placement-group cleaner asks the
+    # state API of the one in $RAY_TMPDIR/ray/ray_current_cluster) in the temp dir it writes, not /tmp/ray
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "RAY_TMPDIR": str(temp),
+    }
     for variable in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(variable, None)
     # the token a local ray.init() leaves in ~/.ray/auth_token: with it, ray start turns authentication on

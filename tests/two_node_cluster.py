@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every raylet on loopback
+# Its own temp dir: Cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster, where Ray 2.60's state
+# API looks for "the" cluster when asked without an address. In /tmp/ray it would send the Ray Train
+# placement-group cleaners of another cluster on this machine (tests/servers.py's head) to this cluster's
+# dashboard, which does not know their controllers: judged dead, their live runs' placement groups removed.
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: socket paths have a length limit
 
 from ray.cluster_utils import Cluster
 
@@ -54,6 +61,7 @@ def main(dashboard_port: int) -> None:
         sys.stdin.read()  # until the test closes it
     finally:
         cluster.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
 
 
 if __name__ == "__main__":
