@@ -66,7 +66,7 @@ class Runtime:
     num_cpus: int
     env: dict
     object_store_memory: int | None
-    num_workers: int
+    num_workers: int  # the fewest training workers the run starts with (elastic: MIN)
     per_worker: dict[str, float]  # scaling.resources_per_worker
 
 
@@ -77,7 +77,7 @@ def runtime(ray_cfg: RayConfig, scaling: ScalingConfig) -> Runtime:
         num_cpus=ray_cfg.num_cpus or local_cpus(scaling),
         env=runtime_env(ray_cfg.address, ray_cfg.py_modules, ray_cfg.runtime_env),
         object_store_memory=ray_cfg.object_store_memory,
-        num_workers=scaling.num_workers,
+        num_workers=scaling.min_workers,
         per_worker=dict(scaling.resources_per_worker),
     )
 
@@ -95,7 +95,7 @@ def local_cpus(scaling: ScalingConfig) -> int:
     DataLoader's worker processes do beside their training process, and one task more, since its tasks
     wait on Ray's object store part of the time. When training is the bound, the OS shares the cores
     between both: ``data_wait_fraction`` shows which way an epoch went (docs/performance.md)."""
-    training = scaling.num_workers * scaling.resources_per_worker.get("CPU", 0.0)
+    training = scaling.max_workers * scaling.resources_per_worker.get("CPU", 0.0)
     return (os.cpu_count() or 1) + math.ceil(training) + 1
 
 

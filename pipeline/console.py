@@ -78,9 +78,12 @@ class Progress:
         self.close()
         tqdm.write(format_metrics(metrics["epoch"], self.epochs, metrics, self.wait_limit))
 
-    def restored(self, epoch: int) -> None:
+    def restored(self, epoch: int, workers: int) -> None:
         self.close()  # the interrupted epoch starts over
-        tqdm.write(f"restored from the latest checkpoint: continuing at epoch {epoch + 1}/{self.epochs}")
+        tqdm.write(
+            f"restored from the latest checkpoint: continuing at epoch {epoch + 1}/{self.epochs} on {workers} "
+            f"worker{'s' if workers > 1 else ''}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:

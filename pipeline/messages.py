@@ -35,9 +35,11 @@ class StepTaken:
 
 @dataclass(frozen=True)
 class CheckpointRestored:
-    """Rank 0 loaded a checkpoint (a restarted worker group, or a resumed run): training continues at ``epoch``."""
+    """Rank 0 loaded a checkpoint (a restarted or resized worker group, or a resumed run): training continues
+    at ``epoch`` on ``workers`` workers."""
 
     epoch: int
+    workers: int
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ COUNTERS = {
     "val_rows": Metric(lower_is_better=False),
     "data_wait_fraction": Metric(lower_is_better=True),
     "skipped_steps": Metric(lower_is_better=True),  # optimizer steps not taken for NaN/inf (train.on_nonfinite)
+    "workers": Metric(lower_is_better=False),  # the worker group's size (elastic scaling.num_workers changes it)
 }
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {

@@ -8,6 +8,7 @@ records them as a FAILED child run, so the sweep shows every job it tried.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -66,7 +67,7 @@ def run(cfg: PipelineConfig, job: Job) -> dict:
                 log.info("finetune: %s", initial.summary())
                 tracker.log_start_weights(initial)
             reporter = report_cache(data, tracker)
-            tracker.expected_rows = expected_rows(data.rows, cfg.scaling.num_workers, cfg.ingest.drop_last)
+            tracker.expected_rows = functools.partial(expected_rows, data.rows, drop_last=cfg.ingest.drop_last)
             storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage)
             tracker.spool_to(job.run_dir)  # from here on, training never waits on the tracking server
@@ -145,9 +146,9 @@ def ray_lost(tracker: Tracker, what: str) -> None:
 
 
 def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> dict[str, int]:
-    """Rows each epoch must deliver, by metric, beyond what sharding drops by design: Ray Train's equal
-    split drops up to N-1 rows per split, and ``drop_last`` the partial training batches (then only
-    validation is counted). Fewer means a transform skipped rows."""
+    """Rows an epoch on ``num_workers`` workers must deliver, by metric, beyond what sharding drops by design:
+    Ray Train's equal split drops up to N-1 rows per split, and ``drop_last`` the partial training batches
+    (then only validation is counted). Fewer means a transform skipped rows."""
     dropped = num_workers - 1
     expected = {"val_rows": rows["valid"] - dropped}
     if not drop_last:
@@ -178,7 +179,7 @@ class JobEvents:
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:
         self.tracker.log_restore(event.epoch)
-        self.progress.restored(event.epoch)
+        self.progress.restored(event.epoch, event.workers)
 
     def append(self, name: str, record: dict) -> None:
         with open(os.path.join(self.run_dir, name), "a") as out:

@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import yaml
@@ -156,7 +157,7 @@ class Tracker:
         self.rerun: set[int] = set()  # logged epochs that training runs again, restored from an older checkpoint
         self.last: dict | None = None  # the latest epoch's metrics
         self.stopped_early: str | None = None  # why train.early_stop ended training, when it did
-        self.expected_rows: dict[str, int] = {}
+        self.expected_rows: Callable[[int], dict[str, int]] = lambda workers: {}  # by metric, on that many workers
         self.storage: RunStorage | None = None  # where Ray Train keeps the run's checkpoints
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         self.delivery = Delivery(self.client, self.experiment_id, run_id, cfg, first_task_metric(task.metrics))
@@ -241,7 +242,8 @@ class Tracker:
         if "stopped_early" in metrics:  # train.early_stop ended training after this epoch
             self.stopped_early = f"after epoch {epoch + 1} by train.early_stop: {metrics['stopped_early']}"
             self.tag(STOPPED_TAG, self.stopped_early)
-        skipped = sum(max(0, rows - int(metrics[key])) for key, rows in self.expected_rows.items())
+        expected = self.expected_rows(int(metrics["workers"]))  # elastic: the epoch's worker group's size
+        skipped = sum(max(0, rows - int(metrics[key])) for key, rows in expected.items())
         if skipped:
             self.write(metrics_record({"skipped_rows": skipped}, epoch))
             log.warning(

@@ -21,20 +21,15 @@ from pipeline.finetune import Initial
 from pipeline.metrics import lower_is_better
 from pipeline.preprocess import TrainingData
 from pipeline.workarounds import explain, fit_off_main_thread
-from pipeline.worker import WorkerJob, train_loop_per_worker
-
-
-def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
-    """Batches each worker sees per epoch: Ray Train splits a dataset into equal shards."""
-    rows, batch = train_rows // num_workers, global_batch // num_workers
-    return rows // batch if drop_last else -(-rows // batch)
+from pipeline.worker import WorkerJob, steps_per_epoch, train_loop_per_worker
 
 
 def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
     """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers; workers go
     only to nodes with their resources (custom ones included) and ``label_selector`` labels."""
     scaling_config = ray.train.ScalingConfig(
-        num_workers=scaling.num_workers,
+        num_workers=(scaling.min_workers, scaling.max_workers) if scaling.elastic else scaling.num_workers,
+        elastic_resize_monitor_interval_s=scaling.elastic_resize_monitor_interval_s,
         use_gpu=scaling.use_gpu,
         resources_per_worker=dict(scaling.resources_per_worker),
         label_selector=dict(scaling.label_selector) or None,
@@ -73,7 +68,7 @@ def build_trainer(
                 events,
                 data.epoch_counter,
                 data.statistics,
-                epoch_steps(cfg, data),
+                data.rows["train"],
                 ray.put(initial) if initial is not None else None,
             )
         },
@@ -105,9 +100,9 @@ def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:
 
 
 def epoch_steps(cfg: PipelineConfig, data: TrainingData) -> int:
-    """Batches each worker sees per epoch of this job."""
+    """Batches each worker sees per epoch of this job (elastic: with the most workers it allows)."""
     scaling, ingest = cfg.scaling, cfg.ingest
-    return steps_per_epoch(data.rows["train"], scaling.num_workers, ingest.batch_size, ingest.drop_last)
+    return steps_per_epoch(data.rows["train"], scaling.max_workers, ingest.batch_size, ingest.drop_last)
 
 
 def fit(

@@ -153,7 +153,7 @@ def base_config(loader, config: DictConfig, overrides: list[str]) -> DictConfig:
 def concurrency(scaling: ScalingConfig, transform_cpus: float, resources: dict) -> int:
     """Trials at once, when ``max_concurrent_trials`` is unset: as many as the runtime holds, each
     taking its training workers' resources (``scaling``) and at least a CPU for its preprocessing."""
-    need = {key: amount * scaling.num_workers for key, amount in scaling.resources_per_worker.items()}
+    need = {key: amount * scaling.max_workers for key, amount in scaling.resources_per_worker.items()}
     need["CPU"] = need.get("CPU", 0) + max(transform_cpus, 1)
     return max(1, min(math.floor(resources.get(key, 0) / amount) for key, amount in need.items() if amount > 0))
 

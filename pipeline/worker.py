@@ -48,16 +48,17 @@ class WorkerJob:
     events: Any  # the ray.util.queue.Queue the driver reads the workers' events from
     epoch_counter: Any  # the EpochCounter actor the seeded transforms read (pipeline.preprocess)
     statistics: dict | None  # the features' mean and std, with ingest.standardize
-    steps_per_epoch: int  # batches per worker per epoch
+    train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
 
 
 def train_loop_per_worker(config: dict) -> None:
     """One worker's run: set up, restore, then per epoch: batches -> steps -> evaluate -> report."""
     job: WorkerJob = config["job"]
-    cfg, events, epoch_counter, steps = job.cfg, job.events, job.epoch_counter, job.steps_per_epoch
+    cfg, events, epoch_counter = job.cfg, job.events, job.epoch_counter
     context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
+    rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic: this worker group's size
+    steps = steps_per_epoch(job.train_rows, world_size, cfg.ingest.batch_size, cfg.ingest.drop_last)
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
     device = ray.train.torch.get_device()
@@ -69,16 +70,15 @@ def train_loop_per_worker(config: dict) -> None:
     # Ray Data starts reading and decoding the first epoch while the model is built.
     first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
-    updates = -(-steps // cfg.train.accumulate)  # optimizer steps per epoch
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
-    replica = Replica.build(cfg, device, epochs * updates, job.statistics, initial)
+    replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
     stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
     if state is not None:
         replica.load_state_dict(state)
         if stopper is not None:
             stopper.load_state_dict(state.get("early_stop"))
         if rank == 0:  # the driver counts every restore
-            events.put(CheckpointRestored(start))
+            events.put(CheckpointRestored(start, world_size))
     progress = events.put if rank == 0 else None
 
     for epoch in range(start, epochs):
@@ -98,6 +98,22 @@ def train_loop_per_worker(config: dict) -> None:
         report(metrics, replica.state_dict(epoch, stopper) if rank == 0 else None)  # rank 0 saves for all
         if stopped:
             break
+
+
+def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
+    """Batches each worker sees per epoch: Ray Train splits a dataset into equal shards."""
+    rows, batch = train_rows // num_workers, global_batch // num_workers
+    return rows // batch if drop_last else -(-rows // batch)
+
+
+def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
+    """The optimizer steps the LR schedule spans: every epoch at the most steps any allowed worker count
+    takes (the global batch stays the same, so they differ by rounding only), the same for every worker
+    group of the run, so a schedule restored from a checkpoint fits the group that restores it."""
+    ingest, scaling = cfg.ingest, cfg.scaling
+    counts = range(scaling.min_workers, scaling.max_workers + 1)
+    steps = max(steps_per_epoch(train_rows, n, ingest.batch_size, ingest.drop_last) for n in counts)
+    return cfg.train.epochs * -(-steps // cfg.train.accumulate)
 
 
 @dataclass

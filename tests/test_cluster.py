@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from itertools import combinations
 from pathlib import Path
@@ -15,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import free_port
 from mlflow import MlflowClient
-from test_pipeline import no_runs_logged, run_cli
+from test_fault_tolerance import assert_each_epoch_once
+from test_pipeline import cli_env, no_runs_logged, run_cli
 from test_tune import epochs_logged, sweep_runs
 
 HERE = Path(__file__).parent
@@ -51,10 +53,18 @@ def cluster():
     try:
         line = helper.stdout.readline()
         assert line, f"the cluster did not start (exit {helper.poll()})"
-        yield json.loads(line)
+        yield {**json.loads(line), "helper": helper}
     finally:
         helper.stdin.close()  # the helper shuts the cluster down
         assert helper.wait(timeout=120) == 0
+
+
+def node_command(cluster: dict, command: str) -> dict:
+    """Have the cluster's helper ``add`` its third node (one ``elastic_slot``) or ``remove`` it; its answer."""
+    helper = cluster["helper"]
+    helper.stdin.write(command + "\n")
+    helper.stdin.flush()
+    return json.loads(helper.stdout.readline())
 
 
 def state(cluster: dict):
@@ -226,3 +236,72 @@ def test_a_tune_sweep_runs_two_trials_at_once_one_per_node_and_the_scheduler_sto
     assert len(client.search_model_versions("name = 'wine'")) == 3
     trial = best.data.tags["pipeline.tune_trial_id"]
     assert (tmp_path / "sweep" / trial / "metrics.jsonl").exists()
+
+
+def workers_per_epoch(run_dir: Path) -> list[int]:
+    """The worker group's size each reported epoch ran on (the run's metrics.jsonl, so far)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [int(json.loads(line)["ranks"][0]["workers"]) for line in lines]
+
+
+def wait_for_workers(run_dir: Path, reached, timeout_s: float = 240.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not reached(sizes := workers_per_epoch(run_dir)):
+        assert time.monotonic() < deadline, f"workers per epoch so far: {sizes}"
+        time.sleep(0.2)
+    return sizes
+
+
+@pytest.mark.slow
+def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_path, cluster):
+    """scaling.num_workers=[1, 2], each worker taking an ``elastic_slot``: the run starts with the GPU node's
+    one, grows to two workers when a third node joins, and shrinks back when that node leaves, each time
+    from the latest checkpoint; every epoch logged once, with the worker count it ran on."""
+    command = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "+experiment=wine_mlp",
+            "scaling.num_workers=[1,2]",
+            "scaling.elastic_resize_monitor_interval_s=1",
+            "+scaling.resources_per_worker.elastic_slot=1",
+            "train.max_failures=2",  # the node that leaves takes a worker with it: a failure to Ray Train
+            "train.epochs=12",
+            "tracking.log_model=false",
+            f"ray.address={cluster['address']}",
+            f"storage.path={tmp_path / 'storage'}",
+            "hydra.run.dir=run",
+        ],
+        cwd=tmp_path,
+        # a worker group too big for what is left after a node leaves: Ray Train retries smaller after this
+        env={**cli_env(tmp_path / "data"), "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_workers(tmp_path / "run", lambda sizes: sizes[-1:] == [1])
+        added = node_command(cluster, "add")["added"]
+        wait_for_workers(tmp_path / "run", lambda sizes: sizes[-1:] == [2])
+        node_command(cluster, "remove")
+        output, _ = command.communicate(timeout=300)
+    finally:
+        command.kill()
+    assert command.returncode == 0 and "Traceback" not in output, output[-3000:]
+    sizes = workers_per_epoch(tmp_path / "run")
+    phases = [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
+    assert len(sizes) == 12 and phases == [1, 2, 1], sizes
+    assert "on 2 workers" in output and "on 1 worker\n" in output  # the console says each resize
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("wine_mlp").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["val_accuracy"] > 0.8
+    assert [
+        m.value for m in sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
+    ] == sizes
+    assert len(client.get_metric_history(run.info.run_id, "restores")) == 2  # grown, then shrunk
+    assert_each_epoch_once(client, run.info.run_id, 12)
+    ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
+    assert {r["node_id"] for r in ranks} == {cluster["gpu_node"], added}  # only the nodes with an elastic_slot

@@ -20,7 +20,8 @@ from pipeline.errors import PipelineError
 from pipeline.predict import actor_options
 from pipeline.preflight import check_resources
 from pipeline.preprocess import placement, read_placement
-from pipeline.trainer import steps_per_epoch, trainer_settings
+from pipeline.trainer import trainer_settings
+from pipeline.worker import planned_updates, steps_per_epoch
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -165,6 +166,12 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["optim._target_=torch.optim.Adamm"], r"optim._target_: cannot import 'torch.optim.Adamm'"),
         (["+transforms.train.crop.fn.pad=2"], r"transforms.train.crop.fn: transforms.random_crop does not accept"),
         (["ingest.batch_size=101"], r"ingest.batch_size \(101\) .* scaling.num_workers \(2\)"),
+        (["scaling.num_workers=[2,1]"], r"scaling.num_workers must be a count >= 1, or \[MIN, MAX\] .* got \[2, 1\]"),
+        (["scaling.num_workers=[1,2]"], r"scaling.num_workers=\[1, 2\] is elastic: .* Set train.max_failures"),
+        (
+            ["scaling.num_workers=[1,3]", "train.max_failures=1"],
+            r"ingest.batch_size \(128\) .* scaling.num_workers \(\[1, 3\]: not 3 of them\)",
+        ),
         (["train.epochs=0"], r"train.epochs must be >= 1"),
         (["source.limit=0"], r"source.limit must be >= 1"),
         (["train.amp_dtype=float8"], r"train.amp_dtype"),
@@ -299,6 +306,19 @@ def test_amp_only_on_cuda_and_scaler_only_for_float16(device, amp, dtype, expect
 )
 def test_steps_per_epoch_follow_equal_shards(rows, workers, batch, drop_last, steps):
     assert steps_per_epoch(rows, workers, batch, drop_last) == steps
+
+
+def test_elastic_workers_ask_ray_for_a_range_and_the_schedule_spans_the_longest_epochs():
+    """[MIN, MAX] goes to Ray Train as a tuple with the resize interval; the LR schedule planned for a run is
+    the same whatever worker group computes it, and long enough for every size in the range."""
+    cfg = compose_cfg(["scaling.num_workers=[1,4]", "ingest.batch_size=12", "train.max_failures=-1", "train.epochs=3"])
+    validate(cfg)
+    scaling, _ = trainer_settings(cfg.scaling)
+    assert scaling.num_workers == (1, 4) and scaling.elastic_resize_monitor_interval_s == 60
+    assert trainer_settings(compose_cfg([]).scaling)[0].num_workers == 2  # a count stays a count
+    steps = {n: steps_per_epoch(109, n, 12, False) for n in range(1, 5)}
+    assert steps == {1: 10, 2: 9, 3: 9, 4: 9}  # equal shards drop up to N-1 rows: one batch fewer here
+    assert planned_updates(cfg, 109) == 3 * 10
 
 
 def wanted(overrides: list[str]) -> Runtime:

@@ -92,7 +92,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
     tracker.set_storage(storage)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
-    figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0}
+    figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0, "workers": 2}
     for epoch in (0, 1, 2):  # all saved; only epoch 0's report reached the driver; epoch 2's loss is NaN
         saved = tmp_path / "checkpoints" / tracker.run_id / f"checkpoint_2026-11-26_00-00-0{epoch}"
         saved.mkdir(parents=True)

@@ -2,8 +2,10 @@
 
 The head is the "CPU node" (resource ``cpu_node``, label ``node-type=cpu``); the second raylet
 stands in for a GPU node (resource ``gpu_node``, label ``node-type=gpu``). Each has one ``trial_slot``,
-so a Tune sweep whose workers take one runs a trial on each node. Prints one JSON line
-(GCS address, dashboard URL, node ids), then serves until its stdin closes or SIGTERM, and shuts down.
+so a Tune sweep whose workers take one runs a trial on each node; the GPU node has one ``elastic_slot``,
+and a third node with another joins on the line ``add`` and leaves on ``remove`` (each answered with a
+JSON line). Prints one JSON line (GCS address, dashboard URL, node ids), then serves until its stdin
+closes or SIGTERM, and shuts down.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main(dashboard_port: int) -> None:
     )
     gpu = cluster.add_node(
         num_cpus=2,
-        resources={"gpu_node": 2, "trial_slot": 1},
+        resources={"gpu_node": 2, "trial_slot": 1, "elastic_slot": 1},
         labels={"node-type": "gpu"},
         object_store_memory=300 * 2**20,
     )
@@ -57,8 +59,15 @@ def main(dashboard_port: int) -> None:
         ),
         flush=True,
     )
+    joined = []
     try:
-        sys.stdin.read()  # until the test closes it
+        for line in sys.stdin:  # until the test closes it: "add" a third node, "remove" it (elastic training)
+            if line.strip() == "add":
+                joined.append(cluster.add_node(num_cpus=1, resources={"elastic_slot": 1}))
+                print(json.dumps({"added": joined[-1].node_id}), flush=True)
+            elif line.strip() == "remove":
+                cluster.remove_node(joined.pop())
+                print(json.dumps({"removed": True}), flush=True)
     finally:
         cluster.shutdown()
         shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.config.schema import PipelineConfig, SourceConfig, TaskConfig
+from pipeline.config.schema import PipelineConfig, ScalingConfig, SourceConfig, TaskConfig, TrainConfig
 from pipeline.config.targets import check_target
 from pipeline.errors import PipelineError
 from pipeline.metrics import TASK_CHOICES, epoch_metrics, task_metric
@@ -191,17 +191,19 @@ def check_values(cfg: PipelineConfig) -> None:
     )
     _require(ingest.cache in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest.cache!r}.")
     _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
-    _require(scaling.num_workers >= 1, f"scaling.num_workers must be >= 1, got {scaling.num_workers}.")
+    check_workers(scaling, train)
     _require(ingest.batch_size >= 1, f"ingest.batch_size must be >= 1, got {ingest.batch_size}.")
     normalize = ingest.normalize
     _require(
         normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),
         f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
     )
+    uneven = [n for n in range(scaling.min_workers, scaling.max_workers + 1) if ingest.batch_size % n]
     _require(
-        ingest.batch_size % scaling.num_workers == 0,
+        not uneven,
         f"ingest.batch_size ({ingest.batch_size}) is the global batch and must divide evenly "
-        f"among scaling.num_workers ({scaling.num_workers}).",
+        f"among scaling.num_workers ({scaling.num_workers}"
+        + (f": not {', '.join(map(str, uneven))} of them)." if scaling.elastic else ")."),
     )
     for key, s3 in (("source.s3", cfg.source.s3), ("storage.s3", cfg.storage.s3)):
         _require(s3.max_attempts >= 1, f"{key}.max_attempts must be >= 1, got {s3.max_attempts}.")
@@ -225,3 +227,23 @@ def closest(name: str, names: list[str], listed: bool = True) -> str:
     if near:
         return f" Did you mean {' or '.join(near)}?"
     return f" Valid: {', '.join(names)}." if listed else ""
+
+
+def check_workers(scaling: ScalingConfig, train: TrainConfig) -> None:
+    """``scaling.num_workers``: a count, or elastic ``[MIN, MAX]``, which needs ``train.max_failures``: Ray
+    Train restarts the worker group when a node leaves, and counts that as a failure (a preempted node
+    that was drained first it does not)."""
+    count = scaling.num_workers
+    fixed = isinstance(count, int) and not isinstance(count, bool)
+    elastic = isinstance(count, list) and len(count) == 2 and all(type(n) is int for n in count)
+    _require(
+        (fixed and count >= 1) or (elastic and 1 <= count[0] <= count[1]),
+        f"scaling.num_workers must be a count >= 1, or [MIN, MAX] with 1 <= MIN <= MAX for elastic "
+        f"training, got {count!r}.",
+    )
+    _require(
+        fixed or train.max_failures != 0,
+        f"scaling.num_workers={count} is elastic: when a node leaves, Ray Train restarts the workers on fewer "
+        "nodes from the latest checkpoint, and counts it as a failure. Set train.max_failures to the number "
+        "of such restarts the run may take (e.g. 3, or -1 for no limit).",
+    )

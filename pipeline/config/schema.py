@@ -125,12 +125,27 @@ class FinetuneConfig:
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = 2
+    # a count, or [MIN, MAX]: elastic (Ray Train starts with what the cluster has, MIN at least, and resizes
+    # from the latest checkpoint as nodes come and go; docs/cluster.md)
+    num_workers: Any = 2
     use_gpu: bool = False
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
     label_selector: dict[str, str] = field(default_factory=dict)  # node labels training workers need
     data_cpus: Optional[float] = None  # CPU budget for Ray Data preprocessing; null: what training leaves
     torch_threads: Optional[int] = None  # intra-op threads per worker; null: Ray's default
+    elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[-1]
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
 
 
 @dataclass
