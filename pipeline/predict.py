@@ -28,7 +28,19 @@ from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline import cluster, console, delivery, evaluate, models, preprocess, runs, source, tracking, workarounds
+from pipeline import (
+    cluster,
+    console,
+    delivery,
+    evaluate,
+    lineage,
+    models,
+    preprocess,
+    runs,
+    source,
+    tracking,
+    workarounds,
+)
 from pipeline.checkpoint import autocast_settings, feature_scaler, is_checkpoint
 from pipeline.checkpoint import load as load_state
 from pipeline.config import (
@@ -48,7 +60,7 @@ log = logging.getLogger(__name__)
 STAGE_TAG = "pipeline.stage"
 PREDICTIONS_TAG = "pipeline.predictions"  # where the run's predictions are
 MODEL_ARTIFACT = "model/state_dict.pt"
-STATISTICS_ARTIFACT = tracking.STATISTICS_ARTIFACT
+STATISTICS_ARTIFACT = lineage.STATISTICS_ARTIFACT
 NOT_TASK_METRICS = ("predict_rows", "predict_throughput")
 
 
@@ -258,7 +270,7 @@ def run(cfg: PipelineConfig, job) -> dict:
     parent = model_run.info.run_id if model_run else None
     tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output}
     run_id = tracking.Tracker.start(store, cfg, job, name, parent, tags).run_id
-    tracking.log_data(client, run_id, {"prediction": split}, None)
+    lineage.log_data(client, run_id, {"prediction": split}, None)
     model_id = scored_model(client, model_run, predict) if model_run else None
     if model_id is not None:  # the run, and its metrics, linked to the LoggedModel it scored
         client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
@@ -294,7 +306,7 @@ def run(cfg: PipelineConfig, job) -> dict:
         if cfg.stage == "evaluate":  # where it errs: per class, or its residuals
             every = classes or list(range(trained_cfg.source.num_classes or 0))  # what the model can predict
             metrics |= evaluate.report(client, run_id, table, label, task_cfg, every)
-        measured_on = (tracking.dataset_name(split), split.digest)
+        measured_on = (lineage.dataset_name(split), split.digest)
         delivery.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, redact(output))

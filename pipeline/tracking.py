@@ -8,7 +8,6 @@ are :mod:`pipeline.runs`'s; the checkpoints' LoggedModels and the registry :mod:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -16,13 +15,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import pyarrow as pa
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Param
-from mlflow.types import ColSpec, Schema
-from mlflow.types.schema import Array, Object, Property
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.entities import Param
 
 from pipeline import checkpoint
 from pipeline.config import PipelineConfig, logged
@@ -30,8 +25,19 @@ from pipeline.console import data_wait_note
 from pipeline.delivery import Delivery, metrics_record
 from pipeline.errors import PipelineError, redact
 from pipeline.filesystems import RunStorage
+from pipeline.lineage import dataset_name, log_data
 from pipeline.metrics import epoch_metrics, first_task_metric
-from pipeline.runs import MAX_TAG_LENGTH, STORAGE_TAG, Store, end_status, error_text, reopen, reopen_run, start_run
+from pipeline.runs import (
+    MAX_TAG_LENGTH,
+    STORAGE_TAG,
+    Store,
+    end_run,
+    end_status,
+    error_text,
+    reopen,
+    reopen_run,
+    start_run,
+)
 from pipeline.spool import SPOOL_FILE, Spool, sent_marker
 
 log = logging.getLogger(__name__)
@@ -39,7 +45,6 @@ log = logging.getLogger(__name__)
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 STOPPED_TAG = "pipeline.stopped_early"  # a run that train.early_stop or a Tune scheduler stopped: when, and why
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
-STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
 STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
@@ -86,54 +91,6 @@ def logged_config(client: MlflowClient, run_id: str) -> PipelineConfig:
 def logged_epochs(client: MlflowClient, run_id: str) -> set[int]:
     """Epochs whose metrics the run already holds (a resumed run continues after them)."""
     return {m.step for m in client.get_metric_history(run_id, "train_loss")}
-
-
-def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict | None) -> None:
-    """Each split as an MLflow dataset input (the UI's Dataset column): its URI, schema, rows, files and a
-    digest of the file list and footers, so two runs on different data are told apart; with
-    ``ingest.standardize``, the features' statistics as ``feature_statistics.json``."""
-    inputs = []
-    for name, split in splits.items():
-        schema = Schema([ColSpec(mlflow_type(field.type), field.name) for field in split.schema])
-        dataset = Dataset(
-            name=dataset_name(split),
-            digest=split.digest,
-            source_type="s3" if split.uri.startswith("s3://") else "local",
-            source=json.dumps({"uri": redact(split.uri)}),
-            schema=json.dumps({"mlflow_colspec": schema.to_dict()}),
-            profile=json.dumps({"num_rows": split.rows, "num_files": len(split.files)}),
-        )
-        context = InputTag(MLFLOW_DATASET_CONTEXT, {"train": "training", "valid": "validation"}.get(name, name))
-        inputs.append(DatasetInput(dataset, [context]))
-    client.log_inputs(run_id, datasets=inputs)
-    if statistics is not None:
-        client.log_dict(run_id, statistics, STATISTICS_ARTIFACT)
-
-
-def dataset_name(split) -> str:
-    """A split's dataset name in MLflow: its directory and its parent's (``cifar10/train``)."""
-    uri = split.uri.rstrip("/")
-    return f"{os.path.basename(os.path.dirname(uri))}/{os.path.basename(uri)}"
-
-
-def mlflow_type(kind: pa.DataType):
-    """The MLflow schema type of an Arrow type (lists and structs included)."""
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return Array(mlflow_type(kind.value_type))
-    if pa.types.is_struct(kind):
-        return Object([Property(field.name, mlflow_type(field.type)) for field in kind])
-    for test, name in (
-        (pa.types.is_boolean, "boolean"),
-        (pa.types.is_int32, "integer"),
-        (pa.types.is_integer, "long"),
-        (pa.types.is_float32, "float"),
-        (pa.types.is_floating, "double"),
-        (lambda k: pa.types.is_binary(k) or pa.types.is_large_binary(k), "binary"),
-        (pa.types.is_timestamp, "datetime"),
-    ):
-        if test(kind):
-            return name
-    return "string"
 
 
 class Tracker:
@@ -327,7 +284,11 @@ class Tracker:
         if self.spool is None:
             return
         wait = self.settings.server_wait_s if status == "FINISHED" else min(self.settings.server_wait_s, END_WAIT_S)
-        if self.spool.flush(wait):
+        try:
+            if self.spool.flush(wait):
+                return
+        except Exception as refused:  # delivery stopped at a record the store refused: end the run as it is
+            self.end_refused(status, error, refused)
             return
         kept = self.keep_spool()
         message = (
@@ -340,6 +301,19 @@ class Tracker:
             log.error("%s", message)
             return
         raise PipelineError(message)
+
+    def end_refused(self, status: str, error: BaseException | None, refused: Exception) -> None:
+        """The store refused one of the run's records, so the rest, its end included, were not sent: the run is
+        ended here, FAILED with the refusal if it had finished. A run that failed or was stopped ends with its
+        own error, which stays the one raised; the refusal is said beside it."""
+        if status == "FINISHED":
+            end_run(self.client, self.run_id, "FAILED", error_text(refused))
+            raise refused
+        log.error("the MLflow store refused a record of run %r (%s): %s", self.name, self.run_id, error_text(refused))
+        try:
+            end_run(self.client, self.run_id, status, None if error is None else error_text(error))
+        except Exception as again:  # the store is broken: the run's own error is still the one to raise
+            log.error("run %r (%s) could not be ended as %s: %s", self.name, self.run_id, status, again)
 
     def keep_spool(self) -> str | None:
         """The spool copied beside the run's checkpoints (a job's output directory may not outlive it); where."""

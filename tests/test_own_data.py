@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import no_runs_logged, run_cli
 
-from pipeline import datasets, predict, source, tracking
+from pipeline import datasets, lineage, predict, source
 from pipeline.build import Job
 from pipeline.config import TaskConfig, validate
 from pipeline.errors import PipelineError
@@ -331,7 +331,7 @@ def test_runs_on_different_data_record_different_dataset_digests(tmp_path):
         labelled(tmp_path / name / "train", labels)
         split = checked_split(tmp_path / name / "train")
         run_id = client.create_run(experiment).info.run_id
-        tracking.log_data(client, run_id, {"train": split}, None)
+        lineage.log_data(client, run_id, {"train": split}, None)
         (logged,) = client.get_run(run_id).inputs.dataset_inputs
         assert logged.dataset.digest == split.digest and f'"num_rows": {len(labels)}' in logged.dataset.profile
         digests.append(logged.dataset.digest)

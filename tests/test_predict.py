@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import datasets, models, preflight, runs, tracking
+from pipeline import datasets, lineage, models, preflight, runs
 from pipeline.checkpoint import CHECKPOINT_FILE
 from pipeline.errors import PipelineError
 from pipeline.predict import Predictor, check_output, load_weights, prediction_split, trained_run
@@ -69,7 +69,7 @@ def test_weights_load_only_as_weights_from_checkpoints_state_dicts_and_logged_mo
     models.log_model(client, run_id, str(tmp_path / "ckpt"))
     loaded, statistics = load_weights(client, client.get_run(run_id), None)
     assert torch.equal(loaded["w"], weights["w"]) and statistics is None
-    client.log_dict(run_id, standardized, tracking.STATISTICS_ARTIFACT)  # as a standardized run logs them
+    client.log_dict(run_id, standardized, lineage.STATISTICS_ARTIFACT)  # as a standardized run logs them
     assert load_weights(client, client.get_run(run_id), None)[1] == standardized
 
 

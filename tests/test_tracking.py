@@ -155,3 +155,31 @@ def test_a_spool_retries_what_an_away_server_did_not_take_and_stops_at_what_a_st
     with pytest.raises(MlflowException, match="database is locked"):
         local.flush(30)
     assert spool.read(str(tmp_path / "local.jsonl"))[2] == 0
+
+
+@pytest.mark.parametrize("failing", [True, False])
+def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_stays_the_one_raised(
+    tmp_path, caplog, failing
+):
+    """Delivery stops at a record the store refuses, so the end record is never sent: the run is ended
+    directly, FAILED with the refusal when it had finished; a run that was already failing ends with its own
+    error, which is raised, the refusal logged beside it."""
+    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    tracker = tracking.Tracker.start(
+        runs.Store(client, client.tracking_uri, "e", experiment), cfg, Job(str(tmp_path), "e"), None, None
+    )
+    tracker.spool_to(str(tmp_path))
+    tracker.write(tracking.metrics_record({"no such metric?!": 1.0}, 0))  # MLflow refuses the name
+    expected = RuntimeError("the run's own error") if failing else MlflowException
+    with pytest.raises(type(expected) if failing else MlflowException) as raised, tracker:
+        if failing:
+            raise expected
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    if failing:
+        assert raised.value is expected and run.data.tags[runs.ERROR_TAG].endswith("the run's own error")
+        assert "the MLflow store refused a record of run" in caplog.text
+    else:
+        assert "no such metric" in run.data.tags[runs.ERROR_TAG]
