@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import compose_cfg
+from conftest import capture_warnings, compose_cfg
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException, RestException
 
@@ -159,11 +159,12 @@ def test_a_spool_retries_what_an_away_server_did_not_take_and_stops_at_what_a_st
 
 @pytest.mark.parametrize("failing", [True, False])
 def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_stays_the_one_raised(
-    tmp_path, caplog, failing
+    tmp_path, caplog, monkeypatch, failing
 ):
     """Delivery stops at a record the store refuses, so the end record is never sent: the run is ended
     directly, FAILED with the refusal when it had finished; a run that was already failing ends with its own
     error, which is raised, the refusal logged beside it."""
+    capture_warnings(caplog, monkeypatch, "pipeline.tracking")
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
