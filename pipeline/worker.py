@@ -111,8 +111,7 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
     takes (the global batch stays the same, so they differ by rounding only), the same for every worker
     group of the run, so a schedule restored from a checkpoint fits the group that restores it."""
     ingest, scaling = cfg.ingest, cfg.scaling
-    counts = range(scaling.min_workers, scaling.max_workers + 1)
-    steps = max(steps_per_epoch(train_rows, n, ingest.batch_size, ingest.drop_last) for n in counts)
+    steps = max(steps_per_epoch(train_rows, n, ingest.batch_size, ingest.drop_last) for n in scaling.worker_counts)
     return cfg.train.epochs * -(-steps // cfg.train.accumulate)
 
 

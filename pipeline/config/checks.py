@@ -198,7 +198,7 @@ def check_values(cfg: PipelineConfig) -> None:
         normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),
         f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
     )
-    uneven = [n for n in range(scaling.min_workers, scaling.max_workers + 1) if ingest.batch_size % n]
+    uneven = [n for n in scaling.worker_counts if ingest.batch_size % n]
     _require(
         not uneven,
         f"ingest.batch_size ({ingest.batch_size}) is the global batch and must divide evenly "

@@ -147,6 +147,11 @@ class ScalingConfig:
     def elastic(self) -> bool:
         return not isinstance(self.num_workers, int)
 
+    @property
+    def worker_counts(self) -> range:
+        """Every size the worker group may have."""
+        return range(self.min_workers, self.max_workers + 1)
+
 
 @dataclass
 class NormalizeConfig:
