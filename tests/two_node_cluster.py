@@ -64,6 +64,7 @@ def main(dashboard_port: int) -> None:
         for line in sys.stdin:  # until the test closes it: "add" a third node, "remove" it (elastic training)
             if line.strip() == "add":
                 joined.append(cluster.add_node(num_cpus=1, resources={"elastic_slot": 1}))
+                cluster.wait_for_nodes()
                 print(json.dumps({"added": joined[-1].node_id}), flush=True)
             elif line.strip() == "remove":
                 cluster.remove_node(joined.pop())
