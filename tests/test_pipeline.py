@@ -16,17 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, descendants, free_port, in_process, write_split
+from conftest import descendants, free_port, in_process, write_split
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import OmegaConf
 
-from pipeline.build import Job
 from pipeline.errors import PipelineError
-from pipeline.run import run
 
-# 512 training rows: 16 steps an epoch; one checkpoint kept (with the latest): the curve is what is checked
-LEARNS = ["train.epochs=4", "ingest.batch_size=32", "train.num_to_keep=1"]
+# The README's quick start (cifar_vit_cpu) on the 512 generated training rows: 16 steps a worker an epoch
+QUICK_START = ["+experiment=cifar_vit_cpu", "train.epochs=4", "ingest.batch_size=32"]
 METRICS = ("train_loss", "val_loss", "val_accuracy", "train_throughput", "train_rows", "val_rows", "data_wait_fraction")
 
 
@@ -63,7 +61,7 @@ WATCH = ["tracking.log_every_n_steps=2", "tracking.system_metrics_s=1", "trackin
 
 @dataclass
 class CliRun:
-    """One ``python -m pipeline +experiment=smoke`` of two epochs, then ``stage=predict`` on its model."""
+    """One ``python -m pipeline +experiment=cifar_vit_cpu`` of four epochs, then ``stage=predict`` on its model."""
 
     root: Path
     output: str
@@ -77,22 +75,20 @@ class CliRun:
 def cli_run(tmp_path_factory, data_root) -> CliRun:
     root = tmp_path_factory.mktemp("cli")
     started = time.monotonic()
-    result = run_cli(
-        ["+experiment=smoke", "train.epochs=2", "source.limit=null", *WATCH, "hydra.run.dir=run"], root, data_root
-    )
+    result = run_cli([*QUICK_START, *WATCH, "hydra.run.dir=run"], root, data_root)
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     client = MlflowClient(f"sqlite:///{root / 'outputs' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    predicted = run_cli(["+experiment=smoke", "stage=predict", "hydra.run.dir=predict"], root, data_root)
+    (run,) = client.search_runs([client.get_experiment_by_name("cifar_vit_cpu").experiment_id])
+    predicted = run_cli(["+experiment=cifar_vit_cpu", "stage=predict", "hydra.run.dir=predict"], root, data_root)
     assert predicted.returncode == 0, predicted.stdout + predicted.stderr
     return CliRun(root, output, elapsed, client, run, predicted.stdout + predicted.stderr)
 
 
 @pytest.mark.slow
 def test_a_cli_run_finishes_with_our_lines_on_the_console(cli_run):
-    assert "epoch 1/2  train_loss" in cli_run.output and "epoch 2/2  train_loss" in cli_run.output
+    assert "epoch 1/4  train_loss" in cli_run.output and "epoch 4/4  train_loss" in cli_run.output
     assert "RayTrainWorker pid=" not in cli_run.output and "Traceback" not in cli_run.output  # Ray's logs: files
     assert cli_run.run.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in cli_run.run.data.tags  # a single run is not part of a sweep
@@ -101,18 +97,16 @@ def test_a_cli_run_finishes_with_our_lines_on_the_console(cli_run):
 @pytest.mark.slow
 def test_the_run_records_its_overrides_params_and_config(cli_run, data_root):
     run = cli_run.run
-    assert run.data.tags["pipeline.overrides"] == " ".join(
-        ["+experiment=smoke train.epochs=2 source.limit=null", *WATCH]
-    )
+    assert run.data.tags["pipeline.overrides"] == " ".join([*QUICK_START, *WATCH])
     params = run.data.params
-    assert params["model.hidden_dim"] == "64" and params["train.epochs"] == "2"
+    assert params["model.hidden_dim"] == "128" and params["train.epochs"] == "4"
     assert params["model._target_"] == "torchvision.models.VisionTransformer"
     assert params["source.train"] == f"{data_root}/cifar10/train"
     assert {"config.yaml", "model", "learning_curve.png"} <= {
         a.path for a in cli_run.client.list_artifacts(run.info.run_id)
     }
     config = OmegaConf.load(cli_run.client.download_artifacts(run.info.run_id, "config.yaml", str(cli_run.root)))
-    assert config.model.num_layers == 2 and config.train.epochs == 2
+    assert config.model.num_layers == 4 and config.train.epochs == 4
 
 
 @pytest.mark.slow
@@ -120,17 +114,17 @@ def test_every_epoch_is_logged_once_with_the_figures_the_workers_reported(cli_ru
     run, client = cli_run.run, cli_run.client
     for metric in METRICS:
         history = client.get_metric_history(run.info.run_id, metric)
-        assert sorted(m.step for m in history) == [0, 1], metric
+        assert sorted(m.step for m in history) == [0, 1, 2, 3], metric
     reports = [json.loads(line) for line in (cli_run.root / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["ranks"][0]["epoch"] for r in reports] == [0, 1]
+    assert [r["ranks"][0]["epoch"] for r in reports] == [0, 1, 2, 3]
     for metric in ("val_accuracy", "val_loss", "train_loss"):  # MLflow holds what rank 0 reported, exactly
         assert run.data.metrics[metric] == reports[-1]["ranks"][0][metric], metric
     assert run.data.metrics["val_rows"] == 256 and run.data.metrics["train_rows"] == 512
     startup = client.get_metric_history(run.info.run_id, "startup_s")  # command to first training step
     assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < cli_run.elapsed
-    # between epochs: rank 0's batch loss every 2 steps (4 steps an epoch), at the global step
+    # between epochs: rank 0's batch loss every 2 steps (16 steps an epoch), at the global step
     steps = client.get_metric_history(run.info.run_id, "train_loss_step")
-    assert sorted(m.step for m in steps) == [2, 4, 6, 8] and all(0 < m.value < 10 for m in steps)
+    assert sorted(m.step for m in steps) == list(range(2, 65, 2)) and all(0 < m.value < 10 for m in steps)
 
 
 @pytest.mark.slow
@@ -151,7 +145,7 @@ def test_system_metrics_and_the_data_wait_are_recorded(cli_run):
     assert metrics["system/system_memory_usage_megabytes"] > 0
     # any wait is above a limit of 0: the console's epoch line and the run say so, naming the setting
     assert "above tracking.data_wait_warning=0" in output and "raise scaling.data_cpus" in output
-    assert cli_run.run.data.tags["pipeline.data_wait"].startswith("epoch 2: data_wait ")
+    assert cli_run.run.data.tags["pipeline.data_wait"].startswith("epoch 4: data_wait ")
 
 
 @pytest.mark.slow
@@ -173,7 +167,7 @@ def test_each_epoch_leaves_a_checkpoint_and_the_last_is_the_logged_model(cli_run
     storage = cli_run.root / "run" / "checkpoints" / run.info.run_id  # each run's own, by its MLflow id
     assert run.data.tags["pipeline.storage"] == str(storage)
     checkpoints = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
-    assert [torch.load(c, weights_only=True)["epoch"] for c in checkpoints] == [0, 1]
+    assert [torch.load(c, weights_only=True)["epoch"] for c in checkpoints] == [0, 1, 2, 3]
     last = torch.load(checkpoints[-1], weights_only=True)
     assert {"model", "optimizer"} <= last.keys() and last["model"].keys() == logged.keys()
     assert all(torch.equal(last["model"][k], logged[k]) for k in logged)
@@ -231,21 +225,15 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
 
 
 @pytest.mark.slow
-def test_the_quick_start_recipe_learns(tmp_path, data_root, ray_runtime, monkeypatch):
+def test_the_quick_start_recipe_learns(cli_run):
     """On learnable generated data (each image's brightness follows its label), the quick-start
     experiment's recipe (cifar_vit_cpu: one-cycle schedule, two single-threaded DDP workers, flips)
     lowers the training loss and beats chance (0.1) on validation by a clear margin."""
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
-    cfg = compose_cfg(["+experiment=cifar_vit_cpu", f"paths.outputs={tmp_path / 'outputs'}", *LEARNS])
-    metrics = run(cfg, Job(str(tmp_path / "run"), "cifar_vit_cpu"))
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    (run_info,) = client.search_runs([client.get_experiment_by_name("cifar_vit_cpu").experiment_id])
-    losses = [
-        m.value for m in sorted(client.get_metric_history(run_info.info.run_id, "train_loss"), key=lambda m: m.step)
-    ]
-    assert len(losses) == cfg.train.epochs and losses[-1] < 0.7 * losses[0], losses
-    assert metrics["val_accuracy"] >= 0.4, metrics
-    assert "pipeline.no_learning" not in run_info.data.tags
+    run, client = cli_run.run, cli_run.client
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)]
+    assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
+    assert run.data.metrics["val_accuracy"] >= 0.4, run.data.metrics
+    assert "pipeline.no_learning" not in run.data.tags
 
 
 def leftover_actors(timeout_s: float = 30.0) -> list[str]:
