@@ -181,6 +181,27 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
     return run(cfg, Job(str(run_dir), "smoke")), run_dir
 
 
+@contextlib.contextmanager
+def in_block_order(epoch: int = 0):
+    """An epoch counter at ``epoch`` for datasets read in block order, as ingest.preserve_order=true runs
+    (without it Ray Data hands blocks on as their tasks finish, which a busy machine reorders); the order
+    option is put back and the counter ended afterwards. Claims about the order of rows need it."""
+    import ray
+    import ray.data
+
+    from pipeline import preprocess
+
+    options = ray.data.DataContext.get_current().execution_options
+    counter, kept = preprocess.EpochCounter.remote(), options.preserve_order
+    ray.get(counter.set.remote(epoch))
+    options.preserve_order = True
+    try:
+        yield counter
+    finally:
+        options.preserve_order = kept
+        ray.kill(counter)
+
+
 @pytest.fixture(scope="session")
 def ray_runtime():
     """One local Ray runtime for the in-process tests, as a sweep would share it."""

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import compose_cfg, write_split
+from conftest import compose_cfg, in_block_order, write_split
 from test_own_data import write_sorted_and_shuffled
 
 from pipeline import build, preprocess, source
@@ -67,22 +67,15 @@ def rows_of(ds) -> list[tuple[bytes, int]]:
 def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     """The validation split (decode only) through the cache: the same pixels as every step run by Ray
     Data, each row once, in the stored order without a shuffle; the cache reports its rows and bytes."""
-    import ray
 
     write_split(tmp_path / "cifar10" / "train", 8, 1, seed=0)
     write_split(tmp_path / "cifar10" / "test", 96, 3, seed=5)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
     split, steps = source.prepare(cfg.source)["valid"], cfg.transforms.valid
     streamed = rows_of(preprocess.dataset(split, steps, ["image", "label"], cfg.source))
-    counter = preprocess.EpochCounter.remote()
-    ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, None, 3200)
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
-    try:
+    with in_block_order() as counter:
+        ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, None, 3200)
         cached = rows_of(ds)
-    finally:
-        context.execution_options.preserve_order = False
-        ray.kill(counter)
     table = pq.read_table(split.files)
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
     stored = [(image.tobytes(), label) for image, label in zip(pixels, table["label"].to_pylist())]
@@ -96,19 +89,13 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
     cache built anew (as a resumed run builds it)."""
     import ray
 
-    counter = preprocess.EpochCounter.remote()
     steps = {"decode": cfg.transforms.train["decode"]}
-    ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, 0, 3200)
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
     passes = []
-    try:
+    with in_block_order() as counter:
+        ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, 0, 3200)
         for epoch in epochs:
             ray.get(counter.set.remote(epoch))
             passes.append(rows_of(ds))
-    finally:
-        context.execution_options.preserve_order = False
-        ray.kill(counter)
     return passes
 
 

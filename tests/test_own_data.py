@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, write_split
+from conftest import compose_cfg, in_block_order, write_split
 from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import no_runs_logged, run_cli
@@ -221,28 +221,16 @@ def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_ro
 def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
     """The training split's rows (image bytes, label) in their order at ``epoch``, as a worker's pass
     would see them from a dataset built anew."""
-    import ray
-    import ray.data
-
     from pipeline import preprocess
 
-    counter = preprocess.EpochCounter.remote()
-    ray.get(counter.set.remote(epoch))
-    options = ray.data.DataContext.get_current().execution_options
-    kept, options.preserve_order = options.preserve_order, True  # as ingest.preserve_order=true runs
-    try:
+    with in_block_order(epoch) as counter:
         ds = preprocess.dataset(split, {}, ["image", "label"], cfg.source, counter, shuffle_seed=cfg.train.seed)
-        rows = [(row["image"], row["label"]) for row in ds.take_all()]
-    finally:
-        options.preserve_order = kept
-        ray.kill(counter)
-    return rows
+        return [(row["image"], row["label"]) for row in ds.take_all()]
 
 
 def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path, ray_runtime):
-    """Seeded by train.seed and the epoch only: a resumed run (a new dataset) repeats epoch N exactly, block
-    order kept (ingest.preserve_order=true; without it, blocks reach the trainer as their tasks finish, which
-    a busy machine reorders: a failure of this test in a suite run with three processes on 2 cores)."""
+    """Seeded by train.seed and the epoch only: a resumed run (a new dataset) repeats epoch N exactly, as
+    DETERMINISTIC runs read it, in block order (ingest.preserve_order=true)."""
     write_sorted_and_shuffled(tmp_path)
     cfg = compose_cfg([f"source.root={tmp_path / 'sorted'}", "source.download=null", "source.limit=null"])
     split = source.prepare(cfg.source)["train"]
