@@ -5,7 +5,8 @@ pixel normalization).
 
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
-read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it.
+read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it,
+and the size ``checkpoint.pt`` was written at (a copy cut short by a stop is not taken for whole).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from pipeline.errors import PipelineError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
+SIZE_KEY = "checkpoint_bytes"  # in the report: what checkpoint.pt holds when its copy is whole
 
 
 def save(state: dict, directory: str, metrics: dict) -> None:
     """``state`` as ``directory/checkpoint.pt``, and the epoch's ``metrics`` beside it: the record of an epoch
     whose report never reached the driver (a signal or a crash between the two) survives with its checkpoint."""
-    torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    torch.save(state, path)
     with open(os.path.join(directory, REPORT_FILE), "w") as out:
-        json.dump(metrics, out)
+        json.dump({**metrics, SIZE_KEY: os.path.getsize(path)}, out)
 
 
 def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict]]:
@@ -42,6 +45,16 @@ def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict
             with filesystem.open_input_stream(report) as stream:
                 found.append((info.path, json.loads(stream.read())))
     return sorted(found, key=lambda item: item[1]["epoch"])
+
+
+def newest(filesystem: pafs.FileSystem, directory: str) -> str | None:
+    """The newest checkpoint in a run's storage ``directory`` whose ``checkpoint.pt`` is there whole: where a
+    resumed run continues when Ray Train never registered it (Ray registers a checkpoint only once it is
+    copied to storage, so a job stopped between the two leaves one that only this finds)."""
+    for path, report in reversed(reports(filesystem, directory)):
+        if filesystem.get_file_info(f"{path}/{CHECKPOINT_FILE}").size == report.get(SIZE_KEY):
+            return path
+    return None
 
 
 def load(path: str, key: str, device: torch.device | str = "cpu") -> dict:

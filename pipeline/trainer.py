@@ -14,6 +14,7 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
 
+from pipeline import checkpoint
 from pipeline.config import PipelineConfig, ScalingConfig, TaskConfig, TrainConfig
 from pipeline.events import EventHandler, ReportRelay, relayed
 from pipeline.filesystems import RunStorage
@@ -70,6 +71,7 @@ def build_trainer(
                 data.statistics,
                 data.rows["train"],
                 ray.put(initial) if initial is not None else None,
+                saved_checkpoint(storage),
             )
         },
         scaling_config=scaling_config,
@@ -89,6 +91,13 @@ def build_trainer(
             callbacks=[ReportRelay(events), *callbacks],
         ),
     )
+
+
+def saved_checkpoint(storage: RunStorage) -> ray.train.Checkpoint | None:
+    """The newest whole checkpoint already in the run's storage (a resumed run's), for the workers to
+    continue from when Ray Train restores an older one or none (:func:`pipeline.worker.restored_state`)."""
+    path = checkpoint.newest(storage.filesystem, f"{storage.path}/{storage.name}")
+    return None if path is None else ray.train.Checkpoint(path, filesystem=storage.filesystem)
 
 
 def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:

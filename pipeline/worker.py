@@ -50,6 +50,7 @@ class WorkerJob:
     statistics: dict | None  # the features' mean and std, with ingest.standardize
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
+    saved: ray.train.Checkpoint | None  # the newest whole checkpoint the run's storage held at the start
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -64,7 +65,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
 
-    state = restored_state(device)  # a restarted worker group, or a resumed run
+    state = restored_state(device, job.saved)  # a restarted worker group, or a resumed run
     start, epochs = (state["epoch"] + 1 if state else 0), cfg.train.epochs
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
@@ -289,13 +290,16 @@ def report(metrics: dict, state: dict | None) -> None:
         ray.train.report(metrics, checkpoint=saved)
 
 
-def restored_state(device: torch.device) -> dict | None:
-    """The latest checkpoint's state, when Ray Train restores one; loaded as weights only."""
-    restored = ray.train.get_checkpoint()
-    if restored is None:
-        return None
-    with restored.as_directory() as path:
-        return checkpoint.load(path, "the restored checkpoint", device)
+def restored_state(device: torch.device, saved: ray.train.Checkpoint | None) -> dict | None:
+    """The state training continues from, loaded as weights only: the newer of the checkpoint Ray Train
+    restores (a restarted worker group, or a resumed run) and ``saved``, the newest the storage held when
+    the run started, which Ray never registered when a stop came between its copy and its registration."""
+    states = []
+    for found in (ray.train.get_checkpoint(), saved):
+        if found is not None:
+            with found.as_directory() as path:
+                states.append(checkpoint.load(path, "the restored checkpoint", device))
+    return max(states, key=lambda state: state["epoch"], default=None)
 
 
 def train_batches(

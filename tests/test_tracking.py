@@ -120,6 +120,27 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     }
 
 
+def test_a_resumed_run_continues_from_the_newest_whole_checkpoint_in_its_storage(tmp_path):
+    """What the workers fall back on when Ray Train restores an older checkpoint or none (it records one
+    only after its copy to storage): the newest checkpoint whose file is whole; one whose copy was cut
+    short, or that has no report beside it, is passed over."""
+    import pyarrow.fs as pafs
+
+    from pipeline import checkpoint
+
+    fs = pafs.LocalFileSystem()
+    for epoch in range(3):
+        (tmp_path / f"checkpoint_{epoch}").mkdir()
+        checkpoint.save({"epoch": epoch}, str(tmp_path / f"checkpoint_{epoch}"), {"epoch": epoch})
+    assert checkpoint.newest(fs, str(tmp_path)) == str(tmp_path / "checkpoint_2")
+    cut = tmp_path / "checkpoint_2" / "checkpoint.pt"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    assert checkpoint.newest(fs, str(tmp_path)) == str(tmp_path / "checkpoint_1")
+    (tmp_path / "checkpoint_1" / "report.json").unlink()
+    assert checkpoint.newest(fs, str(tmp_path)) == str(tmp_path / "checkpoint_0")
+    assert checkpoint.newest(fs, str(tmp_path / "no-run")) is None
+
+
 def test_a_spool_retries_what_an_away_server_did_not_take_and_stops_at_what_a_store_refused(tmp_path):
     """Over HTTP, a record the server did not answer for is tried again, in order, until it is taken; a record
     the store refused (a 4xx, or any error of a local store) stops delivery and is raised by flush."""
