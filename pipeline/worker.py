@@ -294,9 +294,10 @@ def restored_state(device: torch.device, saved: ray.train.Checkpoint | None) -> 
     """The state training continues from, loaded as weights only: the newer of the checkpoint Ray Train
     restores (a restarted worker group, or a resumed run) and ``saved``, the newest the storage held when
     the run started, which Ray never registered when a stop came between its copy and its registration."""
-    states = []
+    states, read = [], set()
     for found in (ray.train.get_checkpoint(), saved):
-        if found is not None:
+        if found is not None and found.path not in read:  # usually both are the same checkpoint
+            read.add(found.path)
             with found.as_directory() as path:
                 states.append(checkpoint.load(path, "the restored checkpoint", device))
     return max(states, key=lambda state: state["epoch"], default=None)
