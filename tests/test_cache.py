@@ -67,7 +67,6 @@ def rows_of(ds) -> list[tuple[bytes, int]]:
 def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     """The validation split (decode only) through the cache: the same pixels as every step run by Ray
     Data, each row once, in the stored order without a shuffle; the cache reports its rows and bytes."""
-
     write_split(tmp_path / "cifar10" / "train", 8, 1, seed=0)
     write_split(tmp_path / "cifar10" / "test", 96, 3, seed=5)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
