@@ -51,6 +51,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     """Run (or continue) the sweep that ``arguments`` (the command line) and ``settings.params``
     describe; each trial is a child run of the sweep's parent run in MLflow."""
     console.quiet_libraries()
+    workarounds.quiet_tune_state_upload_race()
     sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(
         [*(f"{key}={value}" for key, value in (settings.params or {}).items()), *arguments]  # the command line wins

@@ -7,6 +7,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,7 +18,13 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
-from pipeline.workarounds import explain, kept_checkpoints, release_placement_group, root_cause
+from pipeline.workarounds import (
+    explain,
+    kept_checkpoints,
+    quiet_tune_state_upload_race,
+    release_placement_group,
+    root_cause,
+)
 
 
 def read_a_bad_row(config: dict) -> None:
@@ -244,3 +252,60 @@ def test_importing_mlflow_pytorch_silences_warnings_unless_the_root_logger_is_pu
     code = f"import logging, pipeline.workarounds\n{how}\nprint(logging.getLogger().level)"
     level = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
     assert int(level) == (logging.ERROR if how.startswith("import") else logging.WARNING)
+
+
+def test_tune_writes_its_experiment_state_while_its_last_upload_of_it_still_runs(ray_runtime, tmp_path, monkeypatch):
+    """Workaround: ``quiet_tune_state_upload_race`` (an upload that lists one of Tune's temp files before
+    its rename fails, and Tune logs that as an error). The upload is held until the next save has run."""
+    from ray.train._internal import storage as ray_storage
+    from ray.tune.execution.experiment_state import _ExperimentCheckpointManager
+
+    copy, uploading, release = ray_storage._pyarrow_fs_copy_files, threading.Event(), threading.Event()
+
+    def held_copy(*args, **kwargs):
+        uploading.set()
+        release.wait(timeout=10)  # only a Ray that waited for this upload before saving waits this long
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            uploading.clear()
+
+    monkeypatch.setattr(ray_storage, "_pyarrow_fs_copy_files", held_copy)
+    storage = ray_storage.StorageContext(str(tmp_path / "storage"), "canary")
+    manager = _ExperimentCheckpointManager(storage=storage, checkpoint_period=0)
+    staging = Path(storage.experiment_driver_staging_path)
+
+    def save() -> None:
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "state.json").write_text("{}")
+
+    manager.sync_up_experiment_state(save)
+    assert uploading.wait(timeout=30)
+    saved_during_upload = []
+    manager.sync_up_experiment_state(lambda: saved_during_upload.append(uploading.is_set()))
+    release.set()
+    manager.sync_up_experiment_state(save, force=True, wait=True)
+    assert saved_during_upload == [True], "Tune now waits for its last upload before saving: the filter may go"
+    assert (tmp_path / "storage" / "canary" / "state.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        (
+            FileNotFoundError("Failed to open local file '/tmp/x/.1cc92c09-91dc-4524-a5eb-8cdea84a7f34-tmp-a.json'"),
+            False,
+        ),
+        (FileNotFoundError("Failed to open local file '/tmp/x/experiment_state.json'"), True),
+        (PermissionError("Failed to open local file '/tmp/x/.1cc92c09-91dc-4524-a5eb-8cdea84a7f34-tmp-a.json'"), True),
+    ],
+)
+def test_only_tunes_error_for_a_renamed_temp_file_is_kept_off_the_console(error, shown, caplog):
+    quiet_tune_state_upload_race()
+    logger = logging.getLogger("ray.tune.execution.experiment_state")
+    try:
+        raise error
+    except OSError:
+        with caplog.at_level(logging.ERROR, logger=logger.name):
+            logger.error("Saving experiment state to storage failed with exception: ", exc_info=True)
+    assert [r.levelname for r in caplog.records if r.name == logger.name] == (["ERROR"] if shown else [])
