@@ -88,13 +88,18 @@ def postgres():
         shutil.rmtree(data, ignore_errors=True)
 
 
+# MLflow 3.17's server starts a job runner with four Huey consumers (its GenAI jobs, which nothing here
+# uses): about 20 more processes and 25 - 60 more CPU-seconds a server start (docs/cluster.md).
+NO_SERVER_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @contextlib.contextmanager
 def mlflow_server(backend_uri: str, artifacts: str, s3_endpoint: str | None = None, port: int | None = None):
     """``mlflow server`` on a loopback port (``port``, else a free one), runs in ``backend_uri``, artifacts
     proxied to ``artifacts`` (a directory, or an s3:// URI on the S3 server at ``s3_endpoint``): clients
     upload and download through the server and need no S3 credentials. Yields its URL."""
     port = port or free_port()
-    env = {**os.environ, **({"MLFLOW_S3_ENDPOINT_URL": s3_endpoint} if s3_endpoint else {})}
+    env = {**os.environ, **NO_SERVER_JOBS, **({"MLFLOW_S3_ENDPOINT_URL": s3_endpoint} if s3_endpoint else {})}
     server = subprocess.Popen(
         [
             str(BIN / "mlflow"),

@@ -3,6 +3,7 @@ failed jobs recorded and summarized; the MLflow UI shows the result in a real br
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from conftest import free_port, wait_for_port
 from mlflow import MlflowClient
+from servers import NO_SERVER_JOBS
 from test_pipeline import run_cli
 
 from pipeline.runs import UI_VIEW
@@ -171,6 +173,7 @@ def mlflow_ui(grid_sweep):
             "1",
         ],
         cwd=workdir,
+        env={**os.environ, **NO_SERVER_JOBS},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
