@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pipeline import finetune, source
+from pipeline import finetune, source, steps
 from pipeline.config import PipelineConfig, check_values
 from pipeline.errors import PipelineError
 
@@ -42,11 +42,13 @@ class Job:
 def sources(cfg: PipelineConfig) -> dict[str, source.Split]:
     """The config's values checked, then its splits found and their files' footers read: every check
     that needs neither Ray nor the job's MLflow run. Each split carries its active transform steps."""
-    steps = {name: cfg.transforms.active(name) for name in source.SPLITS}
+    active = {name: cfg.transforms.active(name) for name in source.SPLITS}
     check_values(cfg)
+    for name in source.SPLITS:
+        steps.check_streamed(name, active[name])
     splits = source.prepare(cfg.source)
     for name, split in splits.items():
-        split.steps = steps[name]
+        split.steps = active[name]
     return splits
 
 

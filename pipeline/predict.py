@@ -38,6 +38,7 @@ from pipeline import (
     preprocess,
     runs,
     source,
+    steps,
     tracking,
     workarounds,
 )
@@ -111,7 +112,7 @@ def actor_options(predict: PredictConfig, use_gpu: bool) -> dict:
         "num_cpus": predict.num_cpus,
         "num_gpus": num_gpus,
         "batch_size": predict.batch_size,
-        **preprocess.placement(predict),
+        **steps.placement(predict),
     }
 
 
@@ -276,7 +277,7 @@ def run(cfg: PipelineConfig, job) -> dict:
         client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
     with runs.recorded(client, run_id):
         columns = [split.layout.model_input] + ([label] if label else []) + ["path"]
-        rows = preprocess.dataset(split, split.steps, columns, src)
+        rows = preprocess.dataset(split, steps.streamed(split.steps), columns, src)
         predictor = {
             "model_cfg": model_cfg,
             "task_cfg": task_cfg,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import ray
+import ray.data
 import ray.train
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
@@ -71,6 +72,22 @@ def local_runtime_settings() -> None:
     """
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+STREAMED_BLOCK_BYTES = 16 * 2**20  # a generator task's yields of about this size leave it one by one
+
+
+def streamed_blocks(ds: ray.data.Dataset) -> ray.data.Dataset:
+    """``ds``, whose map tasks yield their rows in several batches, with each batch of over
+    ``STREAMED_BLOCK_BYTES`` handed on as the task yields it.
+
+    Ray 2.60: a map task's yields are merged into blocks of ``DataContext.target_max_block_size`` (128 MiB)
+    before any leaves the task: a worker waited for some 850 decoded photos (seconds, at every epoch's
+    start) before its first batch. A ``select_columns`` fused after such a task holds its whole output
+    until it ends, whatever the block size (its block shaping is off): the pipeline keeps columns inside the
+    task instead (:class:`pipeline.steps.Steps`). Canary: ``tests/test_ray_canaries.py``."""
+    ds.context.target_max_block_size = STREAMED_BLOCK_BYTES
+    return ds
 
 
 class _TuneStateRenamedUnderUpload(logging.Filter):

@@ -10,7 +10,7 @@ import pytest
 from conftest import compose_cfg, in_block_order, write_split
 from test_own_data import write_sorted_and_shuffled
 
-from pipeline import build, preprocess, source
+from pipeline import build, preprocess, source, steps
 from pipeline.cluster import local_cpus
 from pipeline.config import ScalingConfig
 from pipeline.errors import PipelineError
@@ -22,7 +22,7 @@ def test_deterministic_steps_run_once_and_seeded_augmentation_every_epoch():
     says so; every step after it too. Decoding and resizing run once."""
 
     def split(overrides: list[str], name: str = "train") -> tuple[list[str], list[str]]:
-        once, every_epoch = preprocess.cached_steps(compose_cfg(overrides).transforms.active(name))
+        once, every_epoch = steps.cached_steps(compose_cfg(overrides).transforms.active(name))
         return list(once), list(every_epoch)
 
     assert split([]) == (["decode"], ["crop", "flip"])
@@ -43,8 +43,9 @@ def test_a_local_runtime_lets_preprocessing_use_the_cores_training_waits_on():
 
 def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit(data_root, ray_runtime):
     """auto caches what fits ingest.cache_share of the object store, streams what does not (and says
-    so); true fails before training with the estimate and the settings to change; false never caches."""
-    args = [f"source.root={data_root}", "source.download=null"]
+    so) and a run of one epoch, which reads each row once; true fails before training with the estimate
+    and the settings to change; false never caches."""
+    args = [f"source.root={data_root}", "source.download=null", "train.epochs=2"]
     splits = build.sources(compose_cfg(args))
     plan = preprocess.cache_plan(compose_cfg(args), splits)
     assert plan.on
@@ -57,6 +58,9 @@ def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit
         preprocess.cache_plan(compose_cfg([*args, "ingest.cache=true", "ingest.cache_share=1e-9"]), splits)
     off = preprocess.cache_plan(compose_cfg([*args, "ingest.cache=false"]), splits)
     assert not off.on and off.summary() == "not cached (ingest.cache=false): every step runs every epoch"
+    once = preprocess.cache_plan(compose_cfg([*args, "train.epochs=1"]), splits)
+    assert not once.on and once.summary() == "not cached (ingest.cache=auto): one epoch reads each row once"
+    assert preprocess.cache_plan(compose_cfg([*args, "train.epochs=1", "ingest.cache=true"]), splits).on
 
 
 def rows_of(ds) -> list[tuple[bytes, int]]:
@@ -70,10 +74,11 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     write_split(tmp_path / "cifar10" / "train", 8, 1, seed=0)
     write_split(tmp_path / "cifar10" / "test", 96, 3, seed=5)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
-    split, steps = source.prepare(cfg.source)["valid"], cfg.transforms.valid
-    streamed = rows_of(preprocess.dataset(split, steps, ["image", "label"], cfg.source))
+    split = source.prepare(cfg.source)["valid"]
+    split.steps = cfg.transforms.active("valid")
+    streamed = rows_of(preprocess.dataset(split, split.steps, ["image", "label"], cfg.source))
     with in_block_order() as counter:
-        ds, cache = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, None, 3200)
+        ds, cache = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, None, 3200)
         cached = rows_of(ds)
     table = pq.read_table(split.files)
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
@@ -88,10 +93,10 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
     cache built anew (as a resumed run builds it)."""
     import ray
 
-    steps = {"decode": cfg.transforms.train["decode"]}
+    split.steps = {"decode": cfg.transforms.train["decode"]}
     passes = []
     with in_block_order() as counter:
-        ds, _ = preprocess.cached_dataset(split, steps, ["image", "label"], cfg.source, counter, 0, 3200)
+        ds, _ = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, 0, 3200)
         for epoch in epochs:
             ray.get(counter.set.remote(epoch))
             passes.append(rows_of(ds))

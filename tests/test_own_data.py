@@ -221,11 +221,16 @@ def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_ro
 def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
     """The training split's rows (image bytes, label) in their order at ``epoch``, as a worker's pass
     would see them from a dataset built anew."""
+    import ray
+
     from pipeline import preprocess
 
     with in_block_order(epoch) as counter:
-        ds = preprocess.dataset(split, {}, ["image", "label"], cfg.source, counter, shuffle_seed=cfg.train.seed)
-        return [(row["image"], row["label"]) for row in ds.take_all()]
+        ds, stream = preprocess.streamed_dataset(split, ["image", "label"], cfg.source, counter, cfg.train.seed, 2**30)
+        try:
+            return [(row["image"], row["label"]) for row in ds.take_all()]
+        finally:
+            ray.kill(stream.reader)
 
 
 def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path, ray_runtime):

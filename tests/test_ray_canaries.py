@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 import ray.cloudpickle
@@ -19,11 +20,13 @@ from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
 from pipeline.workarounds import (
+    STREAMED_BLOCK_BYTES,
     explain,
     kept_checkpoints,
     quiet_tune_state_upload_race,
     release_placement_group,
     root_cause,
+    streamed_blocks,
 )
 
 
@@ -309,3 +312,28 @@ def test_only_tunes_error_for_a_renamed_temp_file_is_kept_off_the_console(error,
         with caplog.at_level(logging.ERROR, logger=logger.name):
             logger.error("Saving experiment state to storage failed with exception: ", exc_info=True)
     assert [r.levelname for r in caplog.records if r.name == logger.name] == (["ERROR"] if shown else [])
+
+
+def four_yields(batch: dict) -> object:
+    """A task that hands on its rows in four batches, each a little over the streamed block size."""
+    rows = STREAMED_BLOCK_BYTES // 1000 + 1
+    for _ in range(4):
+        yield {"pixels": np.zeros((rows, 1000), np.uint8), "path": np.full(rows, "x")}
+
+
+@pytest.mark.parametrize(
+    ("how", "blocks"),
+    [("as Ray builds it", 1), ("streamed_blocks", 4), ("streamed_blocks, then select_columns", 1)],
+)
+def test_a_tasks_yields_leave_it_merged_into_large_blocks_and_a_fused_select_columns_holds_them_all(
+    ray_runtime, how, blocks
+):
+    """Workaround: ``streamed_blocks`` (Ray Data merges a map task's yields into 128 MiB blocks before any
+    leaves the task, and a ``select_columns`` fused after it makes one block of the task's whole output)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    ds = ray.data.range(1, override_num_blocks=1).map_batches(four_yields, batch_size=None)
+    if how != "as Ray builds it":
+        ds = streamed_blocks(ds)
+    if how.endswith("select_columns"):
+        ds = ds.select_columns(["pixels"])
+    assert ds.materialize().num_blocks() == blocks

@@ -303,7 +303,8 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
     import ray
     import ray.data
 
-    from pipeline.preprocess import EpochCounter, apply
+    from pipeline.preprocess import EpochCounter
+    from pipeline.steps import apply
 
     pixels = images(64)
     flip = compose_cfg([]).transforms.train["flip"]
@@ -456,7 +457,7 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/
 
-    from pipeline import preprocess
+    from pipeline import steps
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "shifted.yaml").write_text(SHIFTED)
@@ -464,7 +465,7 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
     assert list(cfg.transforms.valid) == ["decode", "shift"]
     pixels = np.random.default_rng(1).integers(0, 256, size=(6, 32, 32, 3), dtype=np.uint8)
     ds = ray.data.from_items([{"image": jpeg(p), "label": i} for i, p in enumerate(pixels)])
-    rows = preprocess.apply(ds, cfg.transforms.valid, ["image", "label"]).take_all()
+    rows = steps.apply(ds, cfg.transforms.valid, ["image", "label"]).take_all()
     out = sorted(rows, key=lambda row: row["label"])  # a pool of actors may return batches out of order
     decoded = decode_image({"image": np.array([jpeg(p) for p in pixels], dtype=object)})
     expected = decoded["image"] + 10
@@ -508,7 +509,10 @@ def test_the_modules_ray_tasks_import_leave_torch_and_mlflow_out():
     import subprocess
     import sys
 
-    modules = "pipeline.preprocess, pipeline.cache, pipeline.messages, pipeline.events, transforms"
+    modules = (
+        "pipeline.preprocess, pipeline.steps, pipeline.cache, pipeline.stream, pipeline.pieces, pipeline.messages, "
+        "pipeline.events, transforms"
+    )
     code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

@@ -63,6 +63,9 @@ class TransformSpec:
     # run once and kept in Ray's object store (ingest.cache), or every epoch; null: every epoch when the
     # function takes an `epoch` (seeded augmentation), else once. Steps after an every-epoch one run every epoch.
     cache: Optional[bool] = None
+    # false: the step runs only to fill the cache (a working size the next step crops from); a split that
+    # streams skips it, and the next step takes the rows as read (random_resized_crop decodes them itself)
+    streamed: bool = True
     resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
     label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
 

@@ -1,0 +1,133 @@
+"""A split read as pieces, each epoch gathered a window at a time: the streamed shuffle (ingest.cache off) and
+the cache's first epoch, which trains from the pieces as they are built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ray
+from conftest import compose_cfg, in_block_order, jpeg, write_split
+
+from pipeline import build, pieces, preprocess, source, steps, stream
+from pipeline.errors import PipelineError
+
+
+@pytest.mark.parametrize(("tasks", "windows"), [(1, 1), (5, 2), (8, 8), (13, 4), (40, 3)])
+def test_the_tasks_of_an_epoch_read_each_window_in_one_run_of_consecutive_tasks(tasks, windows):
+    shares = [pieces.task_share(task, tasks, windows) for task in range(tasks)]
+    for window in range(windows):
+        run = [task for task, (w, _, _) in enumerate(shares) if w == window]
+        assert run == list(pieces.window_tasks(window, tasks, windows)) and run  # consecutive, never empty
+        assert [shares[task][1:] for task in run] == [(part, len(run)) for part in range(len(run))]
+
+
+def row_groups_split(root, files: int, rows: int = 16):
+    """``root``'s training split: ``files`` files of one row group each, ``rows`` rows a file."""
+    write_split(root / "cifar10" / "train", files * rows, files, seed=3)
+    write_split(root / "cifar10" / "test", 16, 1, seed=4)
+    cfg = compose_cfg([f"source.root={root}", "source.download=null", "source.limit=null"])
+    return cfg, source.prepare(cfg.source)["train"]
+
+
+def stored_rows(split: source.Split) -> dict[bytes, str]:
+    """Each stored image's bytes, with the file it is in."""
+    return {image: file for file in split.files for image in pq.read_table(file)["image"].to_pylist()}
+
+
+def streamed_epochs(cfg, split: source.Split, epochs: list[int], budget: int) -> tuple[list[list[bytes]], int]:
+    """The split's rows (image bytes) per epoch, in block order, as the streamed dataset gives them, and the
+    number of windows each epoch is cut into."""
+    with in_block_order() as counter:
+        ds, streamed = preprocess.streamed_dataset(split, ["image", "label"], cfg.source, counter, 7, budget)
+        try:
+            out = []
+            for epoch in epochs:
+                ray.get(counter.set.remote(epoch))
+                out.append([row["image"] for row in ds.take_all()])
+            return out, streamed.windows.first
+        finally:
+            ray.kill(streamed.reader)
+
+
+def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_at_random(tmp_path, ray_runtime):
+    """Every row once an epoch, a new order each epoch; each window's rows, mixed among themselves, come out
+    before the next window's, and a window holds the row groups the epoch's order draws for it."""
+    cfg, split = row_groups_split(tmp_path, files=6)
+    total = sum(group.bytes for group in pieces.row_groups(split.files, split.filesystem, None))
+    (first, second), windows = streamed_epochs(cfg, split, [0, 1], budget=-(-total // 3))
+    stored = stored_rows(split)
+    assert windows == 3 and sorted(first) == sorted(second) == sorted(stored) and first != second
+    for epoch, rows in ((0, first), (1, second)):
+        for window, at in zip(pieces.window_groups(6, 7, epoch, 3), range(0, 96, 32)):
+            # this window's two row groups, all of their rows, mixed: the first half holds rows of both
+            assert {stored[image] for image in rows[at : at + 32]} == {split.files[g] for g in window}
+            assert len({stored[image] for image in rows[at : at + 16]}) == 2
+
+
+def test_the_stream_reader_holds_the_window_read_and_the_next_and_lets_go_of_those_passed(tmp_path, ray_runtime):
+    cfg, split = row_groups_split(tmp_path, files=4)
+    groups = pieces.row_groups(split.files, split.filesystem, None)
+    reader = stream.StreamReader.remote(groups, split.filesystem, ["image", "label"], 0, 4, 12)
+    try:
+        ray.get(reader.window.remote(0, 0))  # the first of window 0's three tasks: no read ahead yet
+        assert ray.get(reader.holding.remote()) == [0]
+        ray.get(reader.window.remote(0, 0))  # two of three have asked: the next window is read
+        assert ray.get(reader.holding.remote()) == [0, 1]
+        refs, sizes = ray.get(reader.window.remote(1, 2))  # epoch 1, window 2: key 6
+        assert ray.get(reader.holding.remote()) == [6]
+        assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16
+    finally:
+        ray.kill(reader)
+
+
+def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time(tmp_path, ray_runtime):
+    """Epoch 0 reads 16 row groups in two windows of eight, in the order the cache builds them (it waits for
+    the first window, not the whole cache); epoch 1 is one window: a full shuffle of every row."""
+    cfg, split = row_groups_split(tmp_path, files=16, rows=8)
+    split.steps = {"decode": cfg.transforms.train["decode"]}
+    with in_block_order() as counter:
+        ds, cache = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, 5, 3200)
+        passes = []
+        for epoch in (0, 1):
+            ray.get(counter.set.remote(epoch))
+            passes.append([np.asarray(row["image"]).tobytes() for row in ds.take_all()])
+    decode = steps.Steps(split.steps, [])
+    file_of = {}
+    for file in split.files:
+        encoded = np.array(pq.read_table(file)["image"].to_pylist(), dtype=object)
+        file_of |= {image.tobytes(): file for image in decode({"image": encoded})["image"]}
+    assert cache.windows == pieces.Windows(2, 1) and sorted(passes[0]) == sorted(passes[1]) == sorted(file_of)
+    built_first = pieces.group_order(16, 5, 0)[:8]  # the cache builds these first: epoch 0's first window
+    assert {file_of[image] for image in passes[0][:64]} == {split.files[g] for g in built_first}
+    assert len({file_of[image] for image in passes[1][:64]}) > 8 and passes[0] != passes[1]
+
+
+def photo(height: int, width: int, seed: int) -> bytes:
+    return jpeg(np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_split_streams(tmp_path, ray_runtime):
+    """transforms=imagenet streamed (ingest.cache=false): the working-size decode (streamed: false) does not
+    run, and the crop decodes each photo itself, to 224 x 224; the same step set to run every epoch is an error
+    before anything starts."""
+    import pyarrow as pa
+
+    for name, rows in (("train", 12), ("test", 4)):
+        directory = tmp_path / "cifar10" / name
+        directory.mkdir(parents=True)
+        images = [photo(300 + 17 * i, 260 + 23 * i, i) for i in range(rows)]
+        pq.write_table(
+            pa.table({"image": images, "label": [i % 10 for i in range(rows)]}), directory / "part-0.parquet"
+        )
+    args = [f"source.root={tmp_path}", "source.download=null", "transforms=imagenet", "ingest.cache=false"]
+    cfg = compose_cfg(args)
+    splits = build.sources(cfg)
+    assert list(steps.streamed(splits["train"].steps)) == ["crop"]
+    with preprocess.training_data(cfg, splits) as data:
+        assert set(data.streams) == {"train"} and not data.caches
+        rows = data.datasets["train"].take_all()
+    assert len(rows) == 12 and {np.asarray(row["image"]).shape for row in rows} == {(3, 224, 224)}
+
+    with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):
+        build.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))
