@@ -1,7 +1,8 @@
 """Transforms stage (built on the driver, run in Ray tasks and actors): each split's dataset, its configured
-steps (:mod:`pipeline.steps`) chained on, read one of three ways: cached (:mod:`pipeline.cache`: the steps that
-run once, kept in Ray's object store), streamed with the seeded shuffle (:mod:`pipeline.stream`), or in its
-stored order (validation, unshuffled training, prediction); and what decides between them (``ingest.cache``).
+steps (:mod:`pipeline.steps`) chained on, read one of two ways: cached (:mod:`pipeline.cache`: the steps that
+run once, kept in Ray's object store) or streamed (:mod:`pipeline.stream`: read anew every epoch), the
+training split in a seeded order, new every epoch; what decides between them (``ingest.cache``); and
+prediction's rows, read by Ray Data in their stored order.
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ class TrainingData:
     statistics: dict | None = None
     plan: CachePlan | None = None
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
-    streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream: shuffled, not cached
+    streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream, with the plan off
+    reader: Any = None  # the stream.StreamReader actor the streams share
 
     def __enter__(self) -> TrainingData:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        """The job is over: its epoch counter and stream readers go (the datasets' tasks end with their job)."""
-        for actor in [self.epoch_counter, *(s.reader for s in self.streams.values())]:
-            ray.kill(actor)
+        """The job is over: its epoch counter and stream reader go (the datasets' tasks end with their job)."""
+        for actor in (self.epoch_counter, self.reader):
+            if actor is not None:
+                ray.kill(actor)
 
 
 @dataclass
@@ -101,11 +104,11 @@ class CachePlan:
 def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
     """Each split read lazily with its transforms chained on (the training split shuffled, with
     ``ingest.shuffle``). With the cache on (``plan``, else decided here), each split's steps that run
-    once are submitted now, as Ray tasks, and training reads their output as it comes; a shuffled split
-    that is not cached is streamed (:mod:`pipeline.stream`), its first window read now. Only
-    ``ingest.standardize`` waits, for its pass over the training split: a transform that fails there
-    fails the job here, in one line naming the cause. Use it as a context manager: leaving the ``with``
-    block ends the epoch counter and the stream readers."""
+    once are submitted now, as Ray tasks, and training reads their output as it comes; a split that is not
+    cached is streamed (:mod:`pipeline.stream`), its first window read now. Only ``ingest.standardize``
+    waits, for its pass over the training split: a transform that fails there fails the job here, in one line
+    naming the cause. Use it as a context manager: leaving the ``with`` block ends the epoch counter and the
+    stream reader."""
     src, counter, ingest = cfg.source, EpochCounter.remote(), cfg.ingest
     layout = splits["train"].layout
     columns = [layout.model_input, layout.label]
@@ -119,12 +122,12 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                 data.datasets[name], data.caches[name] = cached_dataset(
                     split, columns, src, counter, shuffle, plan.row_bytes[name]
                 )
-            elif shuffle is not None:
-                data.datasets[name], data.streams[name] = streamed_dataset(
-                    split, columns, src, counter, shuffle, plan.capacity_bytes // 3
-                )
-            else:
-                data.datasets[name] = dataset(split, streamed(split.steps), columns, src, counter)
+                continue
+            if data.reader is None:
+                data.reader = stream.StreamReader.options(**read_placement(split.steps)).remote()
+            data.datasets[name], data.streams[name] = streamed_dataset(
+                split, name, columns, src, counter, shuffle, plan.capacity_bytes // 3, data.reader
+            )
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
             data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
@@ -148,7 +151,7 @@ def dataset(
 ):
     """``split`` read lazily (as ``source.*`` says) in its stored order, numeric feature columns stacked into
     one vector, spread over at least one block per CPU, with ``steps`` chained on: every step runs every
-    epoch (a split neither cached nor shuffled, and prediction).
+    epoch (prediction's rows).
     ``columns``: the column the model takes (the split's ``layout.model_input``), then any others to keep."""
     features = split.layout.inputs
     placed = read_placement(steps)  # these steps run where the reads do, fused with them
@@ -163,20 +166,22 @@ def dataset(
 
 def streamed_dataset(
     split: source.Split,
+    name: str,
     columns: list[str],
     source_cfg: SourceConfig,
     epoch_counter,
-    shuffle_seed: int,
+    shuffle_seed: int | None,
     budget: int,
+    reader,
 ) -> tuple[ray.data.Dataset, stream.Stream]:
-    """``split`` read anew every epoch in a new order drawn from ``shuffle_seed`` (:mod:`pipeline.stream`),
-    windows of at most ``budget`` bytes at a time, every step run as its rows are gathered. ``columns`` as
-    :func:`dataset`'s."""
+    """``split`` (called ``name``) read anew every epoch by ``reader`` (:mod:`pipeline.stream`), in a new
+    order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a time,
+    every step run as its rows are gathered. ``columns`` as :func:`dataset`'s."""
     steps = streamed(split.steps)
     groups = pieces.row_groups(split.files, split.filesystem, source_cfg.limit)
     columns_read = [*split.layout.inputs, *columns[1:]]
-    reader = stream.open_stream(groups, split.filesystem, columns_read, shuffle_seed, budget, read_placement(steps))
-    return gathered(reader, shuffle_seed, steps, read_steps(split), columns, epoch_counter), reader
+    streaming = stream.open_stream(reader, name, groups, split.filesystem, columns_read, shuffle_seed, budget)
+    return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, epoch_counter), streaming
 
 
 def cached_dataset(

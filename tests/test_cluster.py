@@ -81,7 +81,7 @@ def state(cluster: dict):
 
 def since(before: tuple, after: tuple) -> tuple[dict[str, Counter], dict[str, Counter]]:
     """The actors and tasks that ran between two :func:`state` calls, by name (actor class, or a task's
-    name holding ``build_pieces`` / ``cached``), each as a count per node."""
+    name holding ``build_pieces`` / ``epoch_part``), each as a count per node."""
 
     def grouped(old: Counter, new: Counter, names: tuple[str, ...] | None) -> dict[str, Counter]:
         found: dict[str, Counter] = {}
@@ -91,7 +91,7 @@ def since(before: tuple, after: tuple) -> tuple[dict[str, Counter], dict[str, Co
                 found.setdefault(key, Counter())[node] += count
         return found
 
-    return grouped(before[0], after[0], None), grouped(before[1], after[1], ("build_pieces", "cached"))
+    return grouped(before[0], after[0], None), grouped(before[1], after[1], ("build_pieces", "epoch_part"))
 
 
 @pytest.mark.slow
@@ -118,6 +118,7 @@ def test_photos_train_on_the_gpu_node_are_cropped_on_the_cpu_node_and_predicted_
             "scaling.num_workers=2",
             "scaling.resources_per_worker.CPU=1",
             "train.epochs=1",
+            "ingest.cache=true",  # one epoch reads each row once: auto would stream it
             "ingest.batch_size=32",
             f"ray.address={cluster['address']}",
             f"storage.path={storage}",
@@ -143,9 +144,9 @@ def test_photos_train_on_the_gpu_node_are_cropped_on_the_cpu_node_and_predicted_
 
     actors, tasks = since(before, state(cluster))  # this run's
     assert actors["RayTrainWorker"] == Counter({"gpu": 2})
-    # the cache's decode tasks (one per row group), pinned; each epoch's crop + flip ("cached" tasks), not pinned
+    # the cache's decode tasks (one per row group), pinned; each epoch's crop + flip ("epoch_part" tasks), not pinned
     assert sum(tasks["build_pieces"].values()) == 15 + 10 and set(tasks["build_pieces"]) == {"cpu"}
-    assert tasks["cached"] and set(tasks["cached"]) == {"cpu"}, tasks["cached"]
+    assert tasks["epoch_part"] and set(tasks["epoch_part"]) == {"cpu"}, tasks["epoch_part"]
 
     before = state(cluster)
     result = run_cli(

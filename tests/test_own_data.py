@@ -223,14 +223,17 @@ def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[byte
     would see them from a dataset built anew."""
     import ray
 
-    from pipeline import preprocess
+    from pipeline import preprocess, stream
 
     with in_block_order(epoch) as counter:
-        ds, stream = preprocess.streamed_dataset(split, ["image", "label"], cfg.source, counter, cfg.train.seed, 2**30)
+        reader = stream.StreamReader.remote()
         try:
+            ds, _ = preprocess.streamed_dataset(
+                split, "train", ["image", "label"], cfg.source, counter, cfg.train.seed, 2**30, reader
+            )
             return [(row["image"], row["label"]) for row in ds.take_all()]
         finally:
-            ray.kill(stream.reader)
+            ray.kill(reader)
 
 
 def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path, ray_runtime):

@@ -38,16 +38,19 @@ def stored_rows(split: source.Split) -> dict[bytes, str]:
 def streamed_epochs(cfg, split: source.Split, epochs: list[int], budget: int) -> tuple[list[list[bytes]], int]:
     """The split's rows (image bytes) per epoch, in block order, as the streamed dataset gives them, and the
     number of windows each epoch is cut into."""
+    reader = stream.StreamReader.remote()
     with in_block_order() as counter:
-        ds, streamed = preprocess.streamed_dataset(split, ["image", "label"], cfg.source, counter, 7, budget)
         try:
+            ds, streamed = preprocess.streamed_dataset(
+                split, "train", ["image", "label"], cfg.source, counter, 7, budget, reader
+            )
             out = []
             for epoch in epochs:
                 ray.get(counter.set.remote(epoch))
                 out.append([row["image"] for row in ds.take_all()])
             return out, streamed.windows.first
         finally:
-            ray.kill(streamed.reader)
+            ray.kill(reader)
 
 
 def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_at_random(tmp_path, ray_runtime):
@@ -68,14 +71,17 @@ def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_a
 def test_the_stream_reader_holds_the_window_read_and_the_next_and_lets_go_of_those_passed(tmp_path, ray_runtime):
     cfg, split = row_groups_split(tmp_path, files=4)
     groups = pieces.row_groups(split.files, split.filesystem, None)
-    reader = stream.StreamReader.remote(groups, split.filesystem, ["image", "label"], 0, 4, 12)
+    reader = stream.StreamReader.remote()
     try:
-        ray.get(reader.window.remote(0, 0))  # the first of window 0's three tasks: no read ahead yet
-        assert ray.get(reader.holding.remote()) == [0]
-        ray.get(reader.window.remote(0, 0))  # two of three have asked: the next window is read
-        assert ray.get(reader.holding.remote()) == [0, 1]
-        refs, sizes = ray.get(reader.window.remote(1, 2))  # epoch 1, window 2: key 6
-        assert ray.get(reader.holding.remote()) == [6]
+        plan = stream.Plan(groups, split.filesystem, ["image", "label"], 0, 4, 12)
+        ray.get(reader.prefetch.remote("train", plan))
+        assert ray.get(reader.holding.remote("train")) == [0]  # the first window, read at once
+        ray.get(reader.window.remote("train", plan, 0, 0))  # the first of window 0's three tasks: no read ahead
+        assert ray.get(reader.holding.remote("train")) == [0]
+        ray.get(reader.window.remote("train", plan, 0, 0))  # two of three have asked: the next window is read
+        assert ray.get(reader.holding.remote("train")) == [0, 1]
+        refs, sizes = ray.get(reader.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
+        assert ray.get(reader.holding.remote("train")) == [6]
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16
     finally:
         ray.kill(reader)
@@ -125,7 +131,7 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     splits = build.sources(cfg)
     assert list(steps.streamed(splits["train"].steps)) == ["crop"]
     with preprocess.training_data(cfg, splits) as data:
-        assert set(data.streams) == {"train"} and not data.caches
+        assert set(data.streams) == {"train", "valid"} and not data.caches
         rows = data.datasets["train"].take_all()
     assert len(rows) == 12 and {np.asarray(row["image"]).shape for row in rows} == {(3, 224, 224)}
 
