@@ -1,7 +1,7 @@
 """``python -m pipeline +experiment=NAME [overrides]``: compose the config and run one job.
 
 With ``-m`` (a Hydra multirun) every job runs here in turn, sharing one Ray runtime; a failed job
-is logged and recorded, the sweep goes on, and :class:`pipeline.sweep.SweepSummary` reports it.
+is logged and recorded, the sweep goes on, and :func:`pipeline.sweep.summarize_sweep` reports it.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ register()
 
 def describe_job(hydra_cfg: DictConfig):
     """Where this job sits (a :class:`pipeline.build.Job`), from Hydra's runtime config."""
-    from pipeline import runs
     from pipeline.build import Job
 
     overrides = list(hydra_cfg.overrides.task)
-    experiment = runs.experiment_choice(hydra_cfg.runtime.choices)
+    experiment = cli.experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)

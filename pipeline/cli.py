@@ -38,6 +38,12 @@ def compose(overrides: list[str] = ()) -> PipelineConfig:
     return load(cfg)
 
 
+def experiment_choice(choices) -> str:
+    """The ``+experiment=NAME`` a command chose (Hydra's runtime choices), or ``default``: a job's name for
+    its experiment when ``tracking.experiment_name`` is unset."""
+    return choices.get("experiment") or "default"
+
+
 def check_overrides(args: list[str]) -> None:
     """Fail, as one paragraph, on an override of a config group or schema key that cannot be right."""
     texts = [a for a in args if "=" in a and not a.startswith("-")]

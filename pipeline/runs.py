@@ -84,12 +84,6 @@ def check_server(uri: str) -> None:
         ) from None  # the chained error repeats the URI, password included
 
 
-def experiment_choice(choices) -> str:
-    """The ``+experiment=NAME`` a command chose (Hydra's runtime choices), or ``default``: a job's name for
-    its experiment when ``tracking.experiment_name`` is unset."""
-    return choices.get("experiment") or "default"
-
-
 def experiment_id(client: MlflowClient, uri: str, name: str, outputs: str) -> str:
     """The experiment's id, created on first use and tagged as model training (``EXPERIMENT_KIND``; an older
     one without a kind gets it); with the embedded SQLite store its artifacts go beside the store in

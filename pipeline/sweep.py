@@ -12,14 +12,12 @@ import logging
 import math
 import os
 import sys
-from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra.experimental.callback import Callback
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import console, models, runs, tracking
+from pipeline import cli, console, models, runs, tracking
 from pipeline.config import load
 from pipeline.errors import PipelineError
 from pipeline.metrics import lower_is_better
@@ -38,7 +36,7 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     plain = OmegaConf.to_container(sweep_config, resolve=False)
     del plain["hydra"]
     cfg = load(OmegaConf.create(plain))
-    experiment = runs.experiment_choice(sweep_config.hydra.runtime.choices)
+    experiment = cli.experiment_choice(sweep_config.hydra.runtime.choices)
     job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
     tracking.Tracker.open(cfg, job).end("FAILED", error)
     return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
@@ -78,39 +76,38 @@ def format_table(jobs: list[dict], metric: str) -> str:
     return "\n".join(lines)
 
 
-class SweepSummary(Callback):
-    """Registered in ``conf/config.yaml`` under ``hydra.callbacks``."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        metric = config.optimized_metric
-        sweep_dir = os.path.abspath(config.hydra.sweep.dir)
-        try:
-            experiment = runs.experiment_choice(config.hydra.runtime.choices)
-            store = runs.Store.open(config.tracking, config.paths.outputs, experiment, create=False)
-        except PipelineError as err:
-            log.error("sweep %s: cannot summarize it: %s", sweep_dir, err)
-            sys.exit(1)
-        if store.experiment_id is None:
-            log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, store.name, store.uri)
-            sys.exit(1)
-        client, parent = store.client, store.sweep_parent(sweep_dir)
-        better = -1 if lower_is_better(config.task.type, list(config.task.metrics), metric) else 1
-        jobs, best = summarize(client, store.experiment_id, parent, metric, better)
-        failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
-        if best is not None:
-            client.set_tag(parent, "pipeline.best_run_id", best["run_id"])
-            client.set_tag(parent, "pipeline.best_run_name", best["name"])
-            client.log_metric(parent, f"best_{metric}", best["value"])
-            name = config.tracking.register_as
-            version = models.registered_version(client, name, best["run_id"]) if name else None
-            if version is not None:
-                client.set_registered_model_alias(name, config.tracking.register_alias, version)
-                log.info(
-                    "models:/%s@%s is version %s (job %s)", name, config.tracking.register_alias, version, best["name"]
-                )
-        runs.end_run(client, parent, "FAILED" if failed or best is None else "FINISHED")
-        log.info("sweep %s: %d jobs, %d failed\n%s", sweep_dir, len(jobs), len(failed), format_table(jobs, metric))
-        if best is not None:
-            log.info("best: %s (%s %.4f)", best["name"], metric, best["value"])
-        if failed:
-            sys.exit(1)
+def summarize_sweep(config: DictConfig) -> None:
+    """At a sweep's end (Hydra's callback, ``hydra_plugins.pipeline_launcher.SweepSummary``): the parent run
+    marked with the best child and ended, one line per job, and a non-zero exit if any job failed."""
+    metric = config.optimized_metric
+    sweep_dir = os.path.abspath(config.hydra.sweep.dir)
+    try:
+        experiment = cli.experiment_choice(config.hydra.runtime.choices)
+        store = runs.Store.open(config.tracking, config.paths.outputs, experiment, create=False)
+    except PipelineError as err:
+        log.error("sweep %s: cannot summarize it: %s", sweep_dir, err)
+        sys.exit(1)
+    if store.experiment_id is None:
+        log.error("sweep %s logged no runs to experiment %r in %s", sweep_dir, store.name, store.uri)
+        sys.exit(1)
+    client, parent = store.client, store.sweep_parent(sweep_dir)
+    better = -1 if lower_is_better(config.task.type, list(config.task.metrics), metric) else 1
+    jobs, best = summarize(client, store.experiment_id, parent, metric, better)
+    failed = [j for j in jobs if j["status"] not in ("FINISHED", "STOPPED")]
+    if best is not None:
+        client.set_tag(parent, "pipeline.best_run_id", best["run_id"])
+        client.set_tag(parent, "pipeline.best_run_name", best["name"])
+        client.log_metric(parent, f"best_{metric}", best["value"])
+        name = config.tracking.register_as
+        version = models.registered_version(client, name, best["run_id"]) if name else None
+        if version is not None:
+            client.set_registered_model_alias(name, config.tracking.register_alias, version)
+            log.info(
+                "models:/%s@%s is version %s (job %s)", name, config.tracking.register_alias, version, best["name"]
+            )
+    runs.end_run(client, parent, "FAILED" if failed or best is None else "FINISHED")
+    log.info("sweep %s: %d jobs, %d failed\n%s", sweep_dir, len(jobs), len(failed), format_table(jobs, metric))
+    if best is not None:
+        log.info("best: %s (%s %.4f)", best["name"], metric, best["value"])
+    if failed:
+        sys.exit(1)

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from ray import tune
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from pipeline import build, console, filesystems, preflight, runs, source, tracking, workarounds
+from pipeline import build, cli, console, filesystems, preflight, runs, source, tracking, workarounds
 from pipeline.build import Job
 from pipeline.config import PipelineConfig, ScalingConfig, load
 from pipeline.errors import PipelineError
@@ -75,7 +75,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
     splits = {name: preflight.checked(cfg)[0] for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
     metric = first.optimized_metric
-    experiment = runs.experiment_choice(config.hydra.runtime.choices)
+    experiment = cli.experiment_choice(config.hydra.runtime.choices)
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
     recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
     trainable = tune.with_resources(

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import ray
-import ray.data
-import ray.train
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from pipeline.errors import PipelineError
 
-if TYPE_CHECKING:  # not at run time: Ray Data's tasks import this module (through preprocess), and torch's
-    from ray.train.torch import TorchTrainer  # import would delay each new task process by seconds
+if TYPE_CHECKING:  # not at run time: Ray Data's tasks and the command's start import this module, and Ray Train's
+    import ray.data  # and torch's imports take seconds
+    import ray.train
+    from ray.train.torch import TorchTrainer
 
 
 @contextlib.contextmanager
@@ -243,6 +243,8 @@ def root_cause(err: BaseException) -> str:
 
 def explain(err: ray.train.TrainingFailedError) -> PipelineError:
     """One line per distinct cause, instead of Ray's truncated multi-rank traceback snippet."""
+    import ray.train  # loaded by then: a training run failed
+
     if isinstance(err, ray.train.WorkerGroupError):
         causes = sorted({root_cause(e) for e in err.worker_failures.values()})
         where = f"on rank(s) {sorted(err.worker_failures)}"

@@ -1,7 +1,8 @@
 """The pipeline's Hydra sweepers and launcher (run on the driver). Hydra loads them only from the
 ``hydra_plugins`` namespace package, so pyproject.toml installs this directory as that package; the
 bookkeeping is in :mod:`pipeline.sweep`, the Ray Tune sweep in :mod:`pipeline.tuning`. The basic
-ones are selected in ``conf/config.yaml``, the Tune one by ``hparams_search=tune``."""
+ones are selected in ``conf/config.yaml``, the Tune one by ``hparams_search=tune``; so is the callback that
+closes a sweep."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn
 from hydra.errors import ConfigCompositionException
+from hydra.experimental.callback import Callback
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -64,3 +66,14 @@ class TuneSweeper(Sweeper):
         except PipelineError as err:
             logging.getLogger("pipeline").error("%s", err)
             sys.exit(1)
+
+
+class SweepSummary(Callback):
+    """Registered in ``conf/config.yaml`` under ``hydra.callbacks``: at a ``-m`` sweep's end, the best child on
+    the parent run and a table of jobs (:func:`pipeline.sweep.summarize_sweep`). Hydra builds callbacks for every
+    command before it composes the config: MLflow's imports wait for a sweep's end."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from pipeline import sweep
+
+        sweep.summarize_sweep(config)
