@@ -2,7 +2,7 @@
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py
 
-About 45 minutes on 2 cores (ingest.py, three seeds of three sets: about 21); each script prints its
+About 55 minutes on 2 cores (ingest.py, three seeds of four sets: about 30); each script prints its
 table and writes outputs/bench/<name>.json.
 """
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("ingest.py", "train.py", "step.py", "sweep_overhead.py", "tune_sweep.py")
+SCRIPTS = ("ingest.py", "train.py", "startup.py", "step.py", "sweep_overhead.py", "tune_sweep.py")
 
 if __name__ == "__main__":
     for script in SCRIPTS:

@@ -1,48 +1,58 @@
-"""Ray's own start-up floor: the least time from command to first batch for a Ray Train job fed by
-Ray Data on this machine. A fresh process starts Ray as the pipeline does (``pipeline.cluster``),
-then one worker takes the first batch of a tiny range dataset: no model, no MLflow, no Hydra, no
-parquet. ``bench/train.py`` runs it beside the pipeline, so the pipeline's start-up reads as a ratio
-to what Ray alone needs.
+"""Ray's own start-up floor: the least time from command to first batch for a Ray Train job fed by Ray Data on
+this machine. A fresh process imports what such a job needs (Ray Train, Ray Data, torch), starts Ray as the
+pipeline does (``pipeline.cluster``), and its workers take the first batch of a tiny range dataset: no model,
+no MLflow, no Hydra, no parquet. The clock starts with the process, as the pipeline's ``startup_s`` does. The
+job has the shape of the one it is compared with: its workers and their CPUs, and as many datasets (Ray
+starts a split coordinator for each). ``bench/startup.py`` runs it beside the pipeline.
 
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python bench/floor.py   # prints {"startup_s": ...}
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python bench/floor.py [--workers N] [--cpus-per-worker X] [--datasets K]
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 
-import ray.data
-import ray.train
-from ray.train.torch import TorchTrainer
+STARTED_AT = time.time()  # before any import: the command's start
 
-import pipeline  # first: starts the clock (pipeline.STARTED_AT) where `python -m pipeline` starts it
-from pipeline.cluster import start_ray
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+import ray.data  # noqa: E402
+import ray.train  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+from pipeline.cluster import start_ray  # noqa: E402
 
 
 def first_batch(config: dict) -> None:
     next(iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=128)))
-    with open(config["out"], "w") as out:
-        out.write(str(time.time()))
+    if ray.train.get_context().get_world_rank() == 0:
+        with open(config["out"], "w") as out:
+            out.write(str(time.time()))
 
 
-def main() -> None:
+def floor(workers: int, cpus_per_worker: float, datasets: int) -> float:
+    """Seconds from this process's start to the first batch of rank 0."""
     start_ray(None, None)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "first_batch")
         TorchTrainer(
             first_batch,
             train_loop_config={"out": out},
-            scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
-            datasets={"train": ray.data.range(10_000)},
+            scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
+            datasets={name: ray.data.range(10_000) for name in ["train", "valid", "test"][:datasets]},
             run_config=ray.train.RunConfig(storage_path=tmp, name="floor"),
         ).fit()
         with open(out) as file:
-            reached = float(file.read())
-    print(json.dumps({"startup_s": round(reached - pipeline.STARTED_AT, 1)}))
+            return round(float(file.read()) - STARTED_AT, 1)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="Ray Train + Ray Data's start-up floor on this machine.")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--datasets", type=int, default=1, choices=[1, 2, 3])
+    arguments = parser.parse_args()
+    print(json.dumps({"startup_s": floor(arguments.workers, arguments.cpus_per_worker, arguments.datasets)}))

@@ -1,5 +1,5 @@
 """Feeding the trainer: whole training runs bound by ingest, the pipeline with its defaults against the
-plain PyTorch loop a competent user writes, side by side, on three image sets:
+plain PyTorch loop a competent user writes, side by side, on four image sets:
 
 - ``cifar``: CIFAR-10 as stored (50,000 32x32 JPEGs, pre-shuffled): decode, pad + crop, flip;
 - ``photos``: ``source=photos`` (6,400 JPEGs, shorter side 256-512 px, written offline when missing),
@@ -27,7 +27,8 @@ seed and epochs, so the data path is what is measured:
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data \\
         python bench/ingest.py [--sets cifar,photos,sorted,streamed] [--seeds 0,1,2] [OVERRIDES...]
 
-Extra arguments are config overrides for the pipeline side. About 7 minutes per seed on 2 cores.
+Extra arguments are config overrides for the pipeline side. About 10 minutes per seed on 2 cores
+(the streamed set: 3).
 Prints a table per set (ranges over the seeds) and writes outputs/bench/ingest.json.
 """
 

@@ -78,3 +78,16 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "wall_s": round(wall, 1),
     }
+
+
+def ray_floor(overrides: list[str]) -> float:
+    """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process),
+    for a job of the shape ``overrides`` give: its workers, CPUs per worker, a training and a validation dataset."""
+    from pipeline.cli import compose
+
+    scaling = compose(overrides).scaling
+    cpus = scaling.resources_per_worker.get("CPU", 1.0)
+    shape = ["--workers", str(scaling.max_workers), "--cpus-per-worker", str(cpus), "--datasets", "2"]
+    command = [sys.executable, str(Path(__file__).with_name("floor.py")), *shape]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["startup_s"]

@@ -9,8 +9,9 @@
   CIFAR in ``bench/ingest.py``), no Ray;
 - pipeline, 1 worker: the same command with one worker of both threads (the experiment's former
   setting: a two-thread step stalls whenever Ray's own processes take a core);
-- Ray's floor: ``bench/floor.py``, the least a Ray Train job fed by Ray Data takes here from command to
-  first batch, so the pipeline's start-up reads as a ratio to what Ray alone needs.
+- Ray's floor: ``bench/floor.py``, the least a Ray Train job of the same shape (two workers of a CPU, a
+  training and a validation dataset) fed by Ray Data takes here from command to first batch, so the
+  pipeline's start-up reads as a ratio to what Ray alone needs.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/train.py
 
@@ -19,27 +20,16 @@ Takes about 15 minutes on 2 cores. Prints a table and writes outputs/bench/train
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import plain
-from report import data_dir, pipeline_run, table, write
+from report import data_dir, pipeline_run, ray_floor, table, write
 
 from pipeline.config import PipelineConfig
 
 EXPERIMENT = ["+experiment=cifar_vit_cpu"]
 ONE_WORKER = ["scaling.num_workers=1", "scaling.resources_per_worker.CPU=1", "scaling.torch_threads=2"]
-
-
-def ray_floor() -> float:
-    """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process)."""
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("floor.py"))], check=True, capture_output=True, text=True
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])["startup_s"]
 
 
 def plain_loop(cfg: PipelineConfig) -> dict:
@@ -60,7 +50,7 @@ def main() -> None:
         run = last_accuracy(pipeline_run(EXPERIMENT, Path(workdir) / "two"))
         loop = plain_loop(compose([*EXPERIMENT, *ONE_WORKER]))  # one process: both cores' threads
         one = last_accuracy(pipeline_run([*EXPERIMENT, *ONE_WORKER], Path(workdir) / "one"))
-    floor = ray_floor()
+    floor = ray_floor(EXPERIMENT)
     figures = {
         "pipeline": run,
         "plain_loop": loop,
