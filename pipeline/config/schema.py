@@ -48,8 +48,8 @@ class SourceConfig:
     on_missing: str = "raise"
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
-    reader_v2: bool = False  # Ray Data's V2 parquet reader (starts footer-reader actors: slower to start)
-    task_per_file: bool = True  # one read task per file, which also runs the transforms (see TransformSpec)
+    reader_v2: bool = False  # prediction: Ray Data's V2 parquet reader (starts footer-reader actors: slower)
+    task_per_file: bool = True  # prediction: one read task per file, which also runs the transforms
     s3: S3Config = field(default_factory=S3Config)  # used when a split is an s3:// URI
 
 
@@ -57,8 +57,9 @@ class SourceConfig:
 class TransformSpec:
     fn: Any = MISSING  # _target_ node: a function (run as Ray tasks) or a class (run as an actor pool)
     num_cpus: float = 1.0  # CPUs per preprocessing task/actor, separate from the training workers
-    batch_size: Optional[int] = None  # rows per call; null: whole blocks, so Ray Data fuses the read and
-    # every step into one task (a file read, decoded and augmented in one go, nothing copied between steps)
+    batch_size: Optional[int] = None  # rows per call of a class's actor pool and of prediction's steps; null:
+    # whole blocks (prediction reads a file, decodes and transforms it in one task). Training's function steps
+    # run on the rows each gathering task hands on
     concurrency: Optional[int] = None  # tasks at once (functions) or actor pool size (classes); null: Ray's
     # run once and kept in Ray's object store (ingest.cache), or every epoch; null: every epoch when the
     # function takes an `epoch` (seeded augmentation), else once. Steps after an every-epoch one run every epoch.
