@@ -23,6 +23,7 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 
 from pipeline import checkpoint, finetune
@@ -263,6 +264,7 @@ def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
     """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
     features, labels = replica.layout.model_input, replica.layout.label
     model, task = replica.module.eval(), replica.task
+    rank0_buffers(model)
     device = next(model.parameters()).device
     declared = {"loss": LOSSES["val_loss"], **task.metrics}  # how each sum finishes (pipeline.metrics)
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in declared}
@@ -278,6 +280,15 @@ def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
     *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
     values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
     return values | {"val_rows": int(count)}
+
+
+def rank0_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, so that validation scores the model rank 0
+    checkpoints: DDP broadcasts them before each training forward, and each rank's own last batch then moves its
+    copy apart (a no-op outside a process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def report(metrics: dict, state: dict | None) -> None:

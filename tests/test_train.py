@@ -176,6 +176,30 @@ def test_accumulating_k_batches_steps_like_one_batch_k_times_larger(world, tmp_p
     assert not torch.allclose(large[0], each[0], atol=1e-3)
 
 
+def validated(rank: int, world: int, port: int, out: str) -> None:
+    """One DDP training step of a BatchNorm model on this rank's own rows, then validation; saves this rank's
+    running mean as validation left it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    replica = replica_of(torch.nn.parallel.DistributedDataParallel(model))
+    shard = rows(16, seed=rank)
+    shard["x"] = shard["x"] + 3 * rank  # each rank's batch moves its running statistics elsewhere
+    train_epoch(replica, [shard], epoch_cfg(), 0, 1, None)
+    evaluate(replica, [rows(16, seed=7)])
+    torch.save(model[1].running_mean.clone(), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_every_rank_validates_with_rank_0s_batchnorm_statistics(tmp_path):
+    """DDP broadcasts buffers before a training forward, not after: each rank's last batch leaves its own
+    running statistics. Validation uses rank 0's, the ones its checkpoint holds, on every rank."""
+    out = str(tmp_path / "validated")
+    torch.multiprocessing.spawn(validated, args=(2, free_port(), out), nprocs=2)
+    first, second = (torch.load(f"{out}.{rank}", weights_only=True) for rank in range(2))
+    assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize(
     ("lower_is_better", "curve", "stop_after"),
     [
