@@ -217,10 +217,18 @@ def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
 
     thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(timeout=0.5)  # a bounded wait lets signals through
-        if _stop_requests:
-            raise _stop_requests[0]
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # a bounded wait lets signals through
+            if _stop_requests:
+                raise _stop_requests[0]
+    except BaseException:
+        # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
+        # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
+        # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
+        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
+        atexit.register(ray.shutdown)
+        raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
