@@ -1,6 +1,6 @@
 """Ray's own start-up floor: the least time from command to first batch for a Ray Train job fed by Ray Data on
 this machine. A fresh process imports what such a job needs (Ray Train, Ray Data, torch), starts Ray as the
-pipeline does (``pipeline.cluster``), and its workers take the first batch of a tiny range dataset: no model,
+pipeline does (``pipeline.runtime.cluster``), and its workers take the first batch of a tiny range dataset: no model,
 no MLflow, no Hydra, no parquet. The clock starts with the process, as the pipeline's ``startup_s`` does. The
 job has the shape of the one it is compared with: its workers and their CPUs, and as many datasets (Ray
 starts a split coordinator for each). ``bench/startup.py`` runs it beside the pipeline.
@@ -23,7 +23,7 @@ import ray.data  # noqa: E402
 import ray.train  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
-from pipeline.cluster import start_ray  # noqa: E402
+from pipeline.runtime.cluster import start_ray  # noqa: E402
 
 
 def first_batch(config: dict) -> None:

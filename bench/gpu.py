@@ -19,7 +19,7 @@ import plain
 import torch
 from report import OUT_DIR, data_dir, pipeline_run, table, write
 
-from pipeline.cli import compose
+from pipeline.api import compose
 
 EXPERIMENT = ["+experiment=cifar_vit"]
 PRECISIONS = {"float32": [], "bfloat16": ["train.amp=true", "train.amp_dtype=bfloat16"]}

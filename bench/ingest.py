@@ -48,8 +48,8 @@ import torch
 from hydra.utils import instantiate
 from report import data_dir, pipeline_run, table, write
 
-from pipeline import source
 from pipeline.config import PipelineConfig
+from pipeline.data import source
 
 BENCH = Path(__file__).resolve().parent
 BENCH_DATA = (BENCH.parent / "outputs" / "bench" / "data").resolve()  # the photo sets, written once when missing
@@ -130,7 +130,7 @@ def model_alone(
 
 def measure(name: str, seed: int, extra: list[str], workdir: Path) -> dict:
     """One set, one seed: the pipeline (and, for ``sorted``, unshuffled), the plain loop, the model alone."""
-    from pipeline.cli import compose
+    from pipeline.api import compose
 
     spec = SETS[name]
     root = [f"source.root={sorted_copy(workdir / 'sorted-data')}"] if name == "sorted" else []

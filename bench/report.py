@@ -83,7 +83,7 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
 def ray_floor(overrides: list[str]) -> float:
     """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process),
     for a job of the shape ``overrides`` give: its workers, CPUs per worker, a training and a validation dataset."""
-    from pipeline.cli import compose
+    from pipeline.api import compose
 
     scaling = compose(overrides).scaling
     cpus = scaling.resources_per_worker.get("CPU", 1.0)

@@ -19,7 +19,7 @@ import torch
 from ingest import model_alone
 from report import table, write
 
-from pipeline.cli import compose
+from pipeline.api import compose
 
 EXPERIMENT = ["+experiment=cifar_vit_cpu"]
 

@@ -43,7 +43,7 @@ def last_accuracy(figures: dict) -> dict:
 
 
 def main() -> None:
-    from pipeline.cli import compose
+    from pipeline.api import compose
 
     data_dir()
     with tempfile.TemporaryDirectory() as workdir:

@@ -1,4 +1,7 @@
-"""Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP) -> MLflow."""
+"""Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP) -> MLflow.
+
+From Python: ``pipeline.train("cifar_vit_cpu", overrides=["optim.lr=1e-3"])`` (:func:`pipeline.api.train`).
+"""
 
 import time
 
@@ -6,3 +9,10 @@ import time
 # (every import after it included). The process's own start time is no clock for this: a shell that
 # runs ``setup && python -m pipeline`` may exec python in its own process, started long before.
 STARTED_AT = time.time()
+
+
+def train(experiment: str | None = None, overrides=(), run_dir: str | None = None):
+    """One training run from Python, as the command line runs it: see :func:`pipeline.api.train`."""
+    from pipeline.api import train as train_run  # Hydra, torch and Ray load on the first call, not on import
+
+    return train_run(experiment, overrides, run_dir)

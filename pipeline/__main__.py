@@ -1,7 +1,8 @@
-"""``python -m pipeline +experiment=NAME [overrides]``: compose the config and run one job.
+"""``python -m pipeline +experiment=NAME [overrides]``: compose the config and run one job
+(:func:`pipeline.api.run_job`, what ``pipeline.train`` runs from Python).
 
 With ``-m`` (a Hydra multirun) every job runs here in turn, sharing one Ray runtime; a failed job
-is logged and recorded, the sweep goes on, and :func:`pipeline.sweep.summarize_sweep` reports it.
+is logged and recorded, the sweep goes on, and :func:`pipeline.jobs.sweep.summarize_sweep` reports it.
 """
 
 from __future__ import annotations
@@ -17,20 +18,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import pipeline
-from pipeline import cli
-from pipeline.config import load, register
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
+from pipeline.config import check_overrides, experiment_choice, register
 
 log = logging.getLogger("pipeline")
 register()
 
 
 def describe_job(hydra_cfg: DictConfig):
-    """Where this job sits (a :class:`pipeline.build.Job`), from Hydra's runtime config."""
-    from pipeline.build import Job
+    """Where this job sits (a :class:`pipeline.jobs.build.Job`), from Hydra's runtime config."""
+    from pipeline.jobs.build import Job
 
     overrides = list(hydra_cfg.overrides.task)
-    experiment = cli.experiment_choice(hydra_cfg.runtime.choices)
+    experiment = experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)
@@ -43,20 +43,16 @@ def describe_job(hydra_cfg: DictConfig):
 def main(cfg: DictConfig) -> float | None:
     # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
     # so that a mistyped override or experiment fails at once.
-    from pipeline import cluster, predict, run, source, workarounds
+    from pipeline.api import run_job
+    from pipeline.common import workarounds
 
     job = describe_job(HydraConfig.get())
     # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
     signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
     signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
-    stage = predict.run if cfg.stage in ("predict", "evaluate") else run.run
     try:
-        source.with_classes(cfg)  # class names as labels: their count, before the models' ${source.num_classes}
-        config = load(cfg)  # each stage gets the typed config: cfg.train.epochs
-        cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
-        cluster.note_stop_grace()  # and ray job stop kills its driver 3 s after SIGTERM unless told otherwise
-        metrics = stage(config, job)
-    except KeyboardInterrupt:  # Ctrl-C: run() recorded it; a sweep stops here too
+        result = run_job(cfg, job)
+    except KeyboardInterrupt:  # Ctrl-C: the job recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:
         if job.sweep_dir is None:
@@ -67,12 +63,12 @@ def main(cfg: DictConfig) -> float | None:
         # A sweep goes on: the job is a FAILED child run; None tells Optuna the trial failed.
         (log.error if isinstance(err, PipelineError) else log.exception)("job failed: %s", err)
         return None
-    return metrics.get(cfg.optimized_metric)
+    return result.metrics.get(cfg.optimized_metric)
 
 
 if __name__ == "__main__":
     try:  # override mistakes Hydra would report as a traceback, as one paragraph
-        cli.check_overrides(sys.argv[1:])
+        check_overrides(sys.argv[1:])
     except PipelineError as err:
         sys.exit(f"error: {err}")
     main()

@@ -15,11 +15,12 @@ import tempfile
 
 from mlflow.exceptions import MlflowException
 
-from pipeline import filesystems, runs, spool, tracking
+from pipeline.common.errors import PipelineError, redact
+from pipeline.common.metrics import first_task_metric
 from pipeline.config import S3Config
-from pipeline.delivery import Delivery
-from pipeline.errors import PipelineError, redact
-from pipeline.metrics import first_task_metric
+from pipeline.runtime import filesystems
+from pipeline.tracking import mlflow_store, spool, tracker
+from pipeline.tracking.delivery import Delivery
 
 log = logging.getLogger("pipeline.sync")
 
@@ -27,9 +28,9 @@ log = logging.getLogger("pipeline.sync")
 def sync(path: str, tracking_uri: str | None) -> str:
     """Deliver what the local spool at ``path`` holds beyond what was sent; a line saying what was done."""
     header, _, _ = spool.read(path)
-    client, uri = runs.connect(tracking_uri or header["tracking_uri"], outputs=os.path.dirname(path))
+    client, uri = mlflow_store.connect(tracking_uri or header["tracking_uri"], outputs=os.path.dirname(path))
     run_id = header["run_id"]
-    cfg = tracking.logged_config(client, run_id)
+    cfg = tracker.logged_config(client, run_id)
     deliver = Delivery(client, header["experiment_id"], run_id, cfg, first_task_metric(cfg.task.metrics))
     try:
         _, count = spool.replay(path, deliver)
@@ -39,7 +40,7 @@ def sync(path: str, tracking_uri: str | None) -> str:
             f"is marked in {spool.sent_marker(path)}. Run the same command again to send the rest."
         ) from None
     run = client.get_run(run_id)
-    return f"sent {count} record(s) into run {run.info.run_name!r}, now {run.info.status}; {runs.run_link(uri, run_id)}"
+    return f"sent {count} record(s) into run {run.info.run_name!r}, now {run.info.status}; {mlflow_store.run_link(uri, run_id)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,10 +41,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.build import Job
-from pipeline.cli import compose
+from pipeline.api import compose
 from pipeline.config import register
-from pipeline.run import run
+from pipeline.jobs.build import Job
+from pipeline.jobs.train import run
 
 register()
 
@@ -178,7 +178,7 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
     """Run a job inside pytest's process, on the shared Ray runtime, as a sweep's jobs run."""
     cfg = compose_cfg(["+experiment=smoke", f"paths.outputs={tmp_path / 'outputs'}", *overrides])
     run_dir = tmp_path / name
-    return run(cfg, Job(str(run_dir), "smoke")), run_dir
+    return run(cfg, Job(str(run_dir), "smoke")).metrics, run_dir
 
 
 @contextlib.contextmanager
@@ -189,7 +189,7 @@ def in_block_order(epoch: int = 0):
     import ray
     import ray.data
 
-    from pipeline import preprocess
+    from pipeline.data import preprocess
 
     options = ray.data.DataContext.get_current().execution_options
     counter, kept = preprocess.EpochCounter.remote(), options.preserve_order
@@ -207,7 +207,7 @@ def ray_runtime():
     """One local Ray runtime for the in-process tests, as a sweep would share it."""
     import ray
 
-    from pipeline.cluster import start_ray
+    from pipeline.runtime.cluster import start_ray
 
     start_ray(address=None, num_cpus=2)
     yield

@@ -10,10 +10,11 @@ import pytest
 from conftest import compose_cfg, in_block_order, write_split
 from test_own_data import write_sorted_and_shuffled
 
-from pipeline import build, preprocess, source, steps
-from pipeline.cluster import local_cpus
+from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig
-from pipeline.errors import PipelineError
+from pipeline.data import preprocess, source, steps
+from pipeline.jobs import build
+from pipeline.runtime.cluster import local_cpus
 from transforms import decode_image
 
 

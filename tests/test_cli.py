@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cli import check_overrides, compose
-from pipeline.config import accepts, check_target, validate
-from pipeline.errors import PipelineError
+from pipeline.api import compose
+from pipeline.common.errors import PipelineError
+from pipeline.config import check_overrides, check_target, validate
+from pipeline.config.targets import accepts
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,15 @@ from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.checkpoint import amp_plan
-from pipeline.cluster import Runtime, check_outlives_job, runtime, runtime_env
+from pipeline.common.errors import PipelineError
 from pipeline.config import CONF_DIR, PipelineConfig, TrainConfig, TransformSpec, validate
-from pipeline.errors import PipelineError
-from pipeline.predict import actor_options
-from pipeline.preflight import check_resources
-from pipeline.preprocess import placement, read_placement
-from pipeline.trainer import trainer_settings
-from pipeline.worker import planned_updates, steps_per_epoch
+from pipeline.data.preprocess import placement, read_placement
+from pipeline.jobs.predict import actor_options
+from pipeline.jobs.preflight import check_resources
+from pipeline.runtime.cluster import Runtime, check_outlives_job, runtime, runtime_env
+from pipeline.training.checkpoint import amp_plan
+from pipeline.training.trainer import trainer_settings
+from pipeline.training.worker import planned_updates, steps_per_epoch
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -130,13 +130,8 @@ def test_mlflow_uri_comes_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("override", ["train.epochs=many", "scaling.use_gpu=maybe", "ingest.batch_size=1.5"])
 def test_wrong_type_is_rejected_at_composition(override):
-    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+    with pytest.raises(PipelineError, match=f"{override.split('=')[0]}: expected"):
         compose_cfg([override])
-
-
-def test_unknown_key_is_rejected_at_composition():
-    with pytest.raises((ConfigCompositionException, OmegaConfBaseException), match="epoch"):
-        compose_cfg(["train.epoch=2"])
 
 
 def test_unknown_key_in_an_experiment_file_is_rejected(tmp_path):

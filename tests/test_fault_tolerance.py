@@ -20,11 +20,11 @@ from conftest import DETERMINISTIC, alive, compose_cfg, descendants, in_process
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
-from pipeline.build import Job
-from pipeline.cli import compose
-from pipeline.errors import PipelineError
-from pipeline.metrics import epoch_metrics
-from pipeline.run import run
+from pipeline.api import compose
+from pipeline.common.errors import PipelineError
+from pipeline.common.metrics import epoch_metrics
+from pipeline.jobs.build import Job
+from pipeline.jobs.train import run
 
 
 def assert_all_gone(started: list[psutil.Process]) -> None:
@@ -179,7 +179,7 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
 
 def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
     """A KeyboardInterrupt raised inside a finalizer is only printed; the request it made still ends fit()."""
-    from pipeline import workarounds
+    from pipeline.common import workarounds
 
     monkeypatch.setattr(workarounds, "_stop_requests", [])
 

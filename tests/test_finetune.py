@@ -17,12 +17,14 @@ import torch
 from conftest import compose_cfg
 from mlflow import MlflowClient
 
-from pipeline import build, finetune, models, predict, preflight
-from pipeline.build import Job
+from pipeline.common.errors import PipelineError
+from pipeline.common.workarounds import global_tracking_uri
 from pipeline.config import FinetuneConfig, PipelineConfig
-from pipeline.errors import PipelineError
-from pipeline.run import run
-from pipeline.workarounds import global_tracking_uri
+from pipeline.jobs import build, predict, preflight
+from pipeline.jobs.build import Job
+from pipeline.jobs.train import run
+from pipeline.tracking import models
+from pipeline.training import finetune
 
 FEATURES = [f"x{i}" for i in range(8)]
 
@@ -73,7 +75,7 @@ def pretrained(tmp_path_factory, ray_runtime) -> tuple[Path, dict]:
             "optim.lr=0.01",
         ],
     )
-    metrics = run(cfg, Job(str(root / "pretrain"), "finetune"))
+    metrics = run(cfg, Job(str(root / "pretrain"), "finetune")).metrics
     return root, metrics
 
 
@@ -116,9 +118,9 @@ def test_a_registered_model_fine_tunes_on_few_rows_of_another_class_count_and_be
             "tracking.run_name=tuned",
         ],
     )
-    tuned = run(tuned_cfg, Job(str(root / "tuned"), "finetune"))
+    tuned = run(tuned_cfg, Job(str(root / "tuned"), "finetune")).metrics
     scratch_cfg = table_config(root / "two", root / "outputs", 2, [*few_rows, "tracking.run_name=scratch"])
-    scratch = run(scratch_cfg, Job(str(root / "scratch"), "finetune"))
+    scratch = run(scratch_cfg, Job(str(root / "scratch"), "finetune")).metrics
     assert tuned["val_accuracy"] >= scratch["val_accuracy"] + 0.1, (tuned, scratch)
     assert tuned["val_accuracy"] > 0.8, tuned
 

@@ -26,7 +26,7 @@ from servers import BIN, mlflow_server, postgres, postgres_available, ray_head
 from test_pipeline import cli_env
 from test_s3 import checkpoints, files_containing
 
-from pipeline import workarounds
+from pipeline.common import workarounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(postgres_available() is not None, reason=str(postgres_available()))]
 ROOT = Path(__file__).resolve().parents[1]

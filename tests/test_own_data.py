@@ -19,13 +19,15 @@ from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import no_runs_logged, run_cli
 
-from pipeline import datasets, lineage, predict, source
-from pipeline.build import Job
+from pipeline.common.errors import PipelineError
 from pipeline.config import TaskConfig, validate
-from pipeline.errors import PipelineError
-from pipeline.evaluate import per_class, report
-from pipeline.run import run
-from pipeline.task import Task, constant_baseline, no_learning
+from pipeline.data import datasets, source
+from pipeline.jobs import predict
+from pipeline.jobs.build import Job
+from pipeline.jobs.train import run
+from pipeline.tracking import lineage
+from pipeline.tracking.scores import per_class, report
+from pipeline.training.task import Task, constant_baseline, no_learning
 
 # The experiment a user keeps in their own directory: a Hugging Face image export (PNG in {bytes, path}
 # structs, grayscale, mixed sizes), decoded to 16x16 RGB for a small ViT.
@@ -152,7 +154,7 @@ def test_class_sorted_files_train_as_well_as_shuffled_ones_and_the_model_predict
         args = ["+experiment=wine_mlp", f"source.root={tmp_path / name}", f"paths.outputs={tmp_path / 'out'}"]
         kept = ["train.epochs=8", "train.num_to_keep=1"]  # a LoggedModel for the best and the latest, not all 8
         cfg = compose_cfg([*args, *kept, *(["source.num_classes=null"] if name == "shuffled" else [])])
-        accuracy[name] = run(cfg, Job(str(tmp_path / f"run-{name}"), "wine"))["val_accuracy"]
+        accuracy[name] = run(cfg, Job(str(tmp_path / f"run-{name}"), "wine")).metrics["val_accuracy"]
     assert accuracy["shuffled"] >= 0.85, accuracy  # chance: about 0.4
     assert abs(accuracy["sorted"] - accuracy["shuffled"]) <= 0.06, accuracy  # two of 36 rows
 
@@ -223,7 +225,7 @@ def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[byte
     would see them from a dataset built anew."""
     import ray
 
-    from pipeline import preprocess, stream
+    from pipeline.data import preprocess, stream
 
     with in_block_order(epoch) as counter:
         reader = stream.StreamReader.remote()

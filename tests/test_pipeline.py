@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import OmegaConf
 
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
 
 # The README's quick start (cifar_vit_cpu) on the 512 generated training rows: 16 steps a worker an epoch
 QUICK_START = ["+experiment=cifar_vit_cpu", "train.epochs=4", "ingest.batch_size=32"]

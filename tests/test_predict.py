@@ -13,10 +13,12 @@ from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_pipeline import run_cli
 
-from pipeline import datasets, lineage, models, preflight, runs
-from pipeline.checkpoint import CHECKPOINT_FILE
-from pipeline.errors import PipelineError
-from pipeline.predict import Predictor, check_output, load_weights, prediction_split, trained_run
+from pipeline.common.errors import PipelineError
+from pipeline.data import datasets
+from pipeline.jobs import preflight
+from pipeline.jobs.predict import Predictor, check_output, load_weights, prediction_split, trained_run
+from pipeline.tracking import lineage, mlflow_store, models
+from pipeline.training.checkpoint import CHECKPOINT_FILE
 
 
 @pytest.fixture
@@ -34,7 +36,7 @@ def test_the_model_run_is_named_by_id_or_name_or_is_the_newest_finished_training
         ("died", "FAILED", True),
         ("sweep parent", "FINISHED", False),
     ]:
-        tags = {runs.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
+        tags = {mlflow_store.STORAGE_TAG: f"/ckpt/{name}"} if trained else {}
         ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
         client.set_terminated(ids[name], status)
     assert trained_run(client, experiment, None).info.run_id == ids["new"]

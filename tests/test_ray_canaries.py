@@ -1,4 +1,4 @@
-"""Canaries: each pins a behaviour of Ray (2.60) that a workaround in ``pipeline/workarounds.py`` exists
+"""Canaries: each pins a behaviour of Ray (2.60) that a workaround in ``pipeline/common/workarounds.py`` exists
 for. When one fails, Ray has changed: revisit the workaround it names, then the canary."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
-from pipeline.workarounds import (
+from pipeline.common.workarounds import (
     STREAMED_BLOCK_BYTES,
     explain,
     kept_checkpoints,
@@ -145,7 +145,7 @@ def report_epochs_forever(config: dict) -> None:
 
 
 def train_in_a_trial(config: dict) -> None:
-    """A Tune trial's body as in ``pipeline/trial.py``: a TorchTrainer reporting to Tune."""
+    """A Tune trial's body as in ``pipeline/jobs/trial.py``: a TorchTrainer reporting to Tune."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -187,7 +187,7 @@ def test_a_version_of_a_logged_model_is_looked_up_in_the_global_tracking_store(t
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from pipeline.workarounds import global_tracking_uri
+    from pipeline.common.workarounds import global_tracking_uri
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere.db'}")
     mlflow.set_tracking_uri(None)  # as a fresh process: the variable decides
@@ -247,12 +247,12 @@ def test_ray_init_replaces_the_sigterm_handler_with_one_that_aborts_a_slow_clean
         assert "SIGTERM received" not in done.stderr
 
 
-@pytest.mark.parametrize("how", ["import mlflow.pytorch", "pipeline.workarounds.import_mlflow_pytorch()"])
+@pytest.mark.parametrize("how", ["import mlflow.pytorch", "pipeline.common.workarounds.import_mlflow_pytorch()"])
 def test_importing_mlflow_pytorch_silences_warnings_unless_the_root_logger_is_put_back(how):
     """Workaround: ``import_mlflow_pytorch``. MLflow's import sets the root logger to ERROR."""
     import subprocess
 
-    code = f"import logging, pipeline.workarounds\n{how}\nprint(logging.getLogger().level)"
+    code = f"import logging, pipeline.common.workarounds\n{how}\nprint(logging.getLogger().level)"
     level = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
     assert int(level) == (logging.ERROR if how.startswith("import") else logging.WARNING)
 

@@ -18,10 +18,10 @@ import pytest
 from conftest import compose_cfg, free_port, wait_for_port
 from test_pipeline import run_cli
 
+from pipeline.common.errors import PipelineError
 from pipeline.config import SourceConfig
-from pipeline.errors import PipelineError
-from pipeline.filesystems import make_dir
-from pipeline.source import prepare
+from pipeline.data.source import prepare
+from pipeline.runtime.filesystems import make_dir
 
 DATA_FILES = ["cifar10/train/part-00000.parquet", "cifar10/train/part-00001.parquet", "cifar10/test/part-00000.parquet"]
 

@@ -24,7 +24,7 @@ from servers import mlflow_server, with_descendants
 from test_fault_tolerance import assert_each_epoch_once, wait_for_epochs
 from test_pipeline import cli_env
 
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
 
 pytestmark = pytest.mark.slow
 CLIENT_GIVES_UP = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # about 6 s of retries instead of about 4 min
@@ -127,7 +127,7 @@ def test_a_server_away_longer_than_the_clients_retries_gets_the_whole_run_once_i
     the run ends FINISHED with each epoch once, as if it had never gone."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     monkeypatch.setenv(*CLIENT_GIVES_UP)
-    capture_warnings(caplog, monkeypatch, "pipeline.spool")
+    capture_warnings(caplog, monkeypatch, "pipeline.tracking.spool")
     events = train_while_away(server, tmp_path, "away", back_after_s=3)  # with the start's 7 s: past the retries
     assert "error" not in events, events.get("error")
     assert events["trained_while_away"]  # the driver had every epoch's report while the server was down

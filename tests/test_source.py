@@ -8,9 +8,9 @@ import pyarrow.fs as pafs
 import pytest
 from conftest import compose_cfg, write_split
 
+from pipeline.common.errors import PipelineError
 from pipeline.config import SourceConfig
-from pipeline.errors import PipelineError
-from pipeline.source import check_split, parquet_files, prepare
+from pipeline.data.source import check_split, parquet_files, prepare
 
 LOCAL = pafs.LocalFileSystem()
 COLUMNS = ["image", "label"]
@@ -60,6 +60,9 @@ def test_truncated_parquet_names_the_file(tmp_path):
 
 def test_offline_download_fails_with_a_clear_message(tmp_path):
     """Port 9 on loopback refuses at once: the same path as a machine without internet."""
-    download = {"_target_": "pipeline.datasets.download_cifar10", "url": "http://127.0.0.1:9/cifar-10-python.tar.gz"}
+    download = {
+        "_target_": "pipeline.data.datasets.download_cifar10",
+        "url": "http://127.0.0.1:9/cifar-10-python.tar.gz",
+    }
     with pytest.raises(PipelineError, match=r"CIFAR-10 is not at .*downloading it .* failed.*PIPELINE_DATA_DIR"):
         prepare(dataclasses.replace(source_cfg(tmp_path), download=download))

@@ -9,8 +9,9 @@ import pytest
 import ray
 from conftest import compose_cfg, in_block_order, jpeg, write_split
 
-from pipeline import build, pieces, preprocess, source, steps, stream
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
+from pipeline.data import pieces, preprocess, source, steps, stream
+from pipeline.jobs import build
 
 
 @pytest.mark.parametrize(("tasks", "windows"), [(1, 1), (5, 2), (8, 8), (13, 4), (40, 3)])

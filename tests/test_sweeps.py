@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from servers import NO_SERVER_JOBS
 from test_pipeline import run_cli
 
-from pipeline.runs import UI_VIEW
+from pipeline.tracking.mlflow_store import UI_VIEW
 
 GRID = [
     "-m",

@@ -7,8 +7,10 @@ from conftest import capture_warnings, compose_cfg
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException, RestException
 
-from pipeline import runs, spool, tracking
-from pipeline.build import Job
+from pipeline.jobs.build import Job
+from pipeline.tracking import mlflow_store, spool
+from pipeline.tracking.delivery import metrics_record
+from pipeline.tracking.tracker import Tracker, logged_config
 
 
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
@@ -21,14 +23,14 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     )
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = runs.Store(client, client.tracking_uri, "e", experiment)
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
     job = Job(str(tmp_path), "e", ["tracking.uri=https://alice:tok-3141@mlflow.example.com"])
-    run_id = tracking.Tracker.start(store, cfg, job, None, None).run_id
+    run_id = Tracker.start(store, cfg, job, None, None).run_id
     run = client.get_run(run_id)
     assert run.data.params["tracking.uri"] == "https://alice:***@mlflow.example.com"
     assert run.data.params["ray.runtime_env.env_vars.AWS_SECRET_ACCESS_KEY"] == "***"
-    assert run.data.tags[runs.OVERRIDES_TAG] == "tracking.uri=https://alice:***@mlflow.example.com"
-    logged = tracking.logged_config(client, run_id)
+    assert run.data.tags[mlflow_store.OVERRIDES_TAG] == "tracking.uri=https://alice:***@mlflow.example.com"
+    logged = logged_config(client, run_id)
     assert logged.tracking.uri == "https://alice:***@mlflow.example.com"
     assert logged.ray.runtime_env["env_vars"] == {"AWS_SECRET_ACCESS_KEY": "***"}
     assert logged.model == cfg.model  # what the predict stage rebuilds the model from
@@ -40,23 +42,23 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
 
 def test_resume_reopens_an_unfinished_run_and_refuses_a_finished_one(tmp_path):
     """A driver that died (SIGKILL, a lost machine) leaves its run RUNNING; Ctrl-C leaves it KILLED."""
-    from pipeline.errors import PipelineError
+    from pipeline.common.errors import PipelineError
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = runs.Store(client, client.tracking_uri, "e", experiment)
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
     for status in ("RUNNING", "KILLED", "FAILED"):
-        tags = {runs.STORAGE_TAG: f"/ckpt/{status}"}
+        tags = {mlflow_store.STORAGE_TAG: f"/ckpt/{status}"}
         run_id = client.create_run(experiment, run_name=f"r-{status}", tags=tags).info.run_id
         if status != "RUNNING":
-            runs.end_run(client, run_id, status, "RuntimeError: stopped")
-        assert runs.reopen_run(store, f"r-{status}") == (run_id, f"/ckpt/{status}")
+            mlflow_store.end_run(client, run_id, status, "RuntimeError: stopped")
+        assert mlflow_store.reopen_run(store, f"r-{status}") == (run_id, f"/ckpt/{status}")
         reopened = client.get_run(run_id)
-        assert reopened.info.status == "RUNNING" and runs.ERROR_TAG not in reopened.data.tags
-    done = client.create_run(experiment, run_name="done", tags={runs.STORAGE_TAG: "/ckpt/done"}).info.run_id
-    runs.end_run(client, done, "FINISHED")
+        assert reopened.info.status == "RUNNING" and mlflow_store.ERROR_TAG not in reopened.data.tags
+    done = client.create_run(experiment, run_name="done", tags={mlflow_store.STORAGE_TAG: "/ckpt/done"}).info.run_id
+    mlflow_store.end_run(client, done, "FINISHED")
     with pytest.raises(PipelineError, match="run 'done' .* already finished"):
-        runs.reopen_run(store, "done")
+        mlflow_store.reopen_run(store, "done")
 
 
 def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
@@ -66,14 +68,14 @@ def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
     names = ["plain", "it's", 'say "hi"', "both ' and \"", 'both _ and "']  # the last is a LIKE look-alike
     ids = {name: client.create_run(experiment, run_name=name).info.run_id for name in names}
     for name in names:
-        assert [r.info.run_id for r in runs.runs_where(client, experiment, "run_name", name)] == [ids[name]]
-    runs.end_run(client, ids["both ' and \""], "KILLED")
-    client.set_tag(ids["both ' and \""], runs.STORAGE_TAG, "/ckpt/q")
-    store = runs.Store(client, client.tracking_uri, "e", experiment)
-    assert runs.reopen_run(store, "both ' and \"") == (ids["both ' and \""], "/ckpt/q")
+        assert [r.info.run_id for r in mlflow_store.runs_where(client, experiment, "run_name", name)] == [ids[name]]
+    mlflow_store.end_run(client, ids["both ' and \""], "KILLED")
+    client.set_tag(ids["both ' and \""], mlflow_store.STORAGE_TAG, "/ckpt/q")
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
+    assert mlflow_store.reopen_run(store, "both ' and \"") == (ids["both ' and \""], "/ckpt/q")
     sweep_dir = str(tmp_path / 'it\'s "here"')
-    parent = runs.sweep_parent(client, experiment, sweep_dir)
-    assert runs.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
+    parent = mlflow_store.sweep_parent(client, experiment, sweep_dir)
+    assert mlflow_store.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
 
 
 def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tmp_path):
@@ -82,13 +84,14 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     the epoch again, and its first record stands (each epoch once)."""
     import torch
 
-    from pipeline import checkpoint, filesystems
+    from pipeline.runtime import filesystems
+    from pipeline.training import checkpoint
 
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = runs.Store(client, client.tracking_uri, "e", experiment)
-    tracker = tracking.Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
+    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
     storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
     tracker.set_storage(storage)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
@@ -107,7 +110,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     ]
     assert client.get_run(tracker.run_id).info.status == "KILLED"
 
-    resumed = tracking.Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
+    resumed = Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
     resumed.set_storage(storage)
     resumed.reconcile()  # nothing new: every saved epoch is logged
     resumed.log_restore(1)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
@@ -126,7 +129,7 @@ def test_a_resumed_run_continues_from_the_newest_whole_checkpoint_in_its_storage
     short, or that has no report beside it, is passed over."""
     import pyarrow.fs as pafs
 
-    from pipeline import checkpoint
+    from pipeline.training import checkpoint
 
     fs = pafs.LocalFileSystem()
     for epoch in range(3):
@@ -185,15 +188,15 @@ def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_st
     """Delivery stops at a record the store refuses, so the end record is never sent: the run is ended
     directly, FAILED with the refusal when it had finished; a run that was already failing ends with its own
     error, which is raised, the refusal logged beside it."""
-    capture_warnings(caplog, monkeypatch, "pipeline.tracking")
+    capture_warnings(caplog, monkeypatch, "pipeline.tracking.tracker")
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    tracker = tracking.Tracker.start(
-        runs.Store(client, client.tracking_uri, "e", experiment), cfg, Job(str(tmp_path), "e"), None, None
+    tracker = Tracker.start(
+        mlflow_store.Store(client, client.tracking_uri, "e", experiment), cfg, Job(str(tmp_path), "e"), None, None
     )
     tracker.spool_to(str(tmp_path))
-    tracker.write(tracking.metrics_record({"no such metric?!": 1.0}, 0))  # MLflow refuses the name
+    tracker.write(metrics_record({"no such metric?!": 1.0}, 0))  # MLflow refuses the name
     expected = RuntimeError("the run's own error") if failing else MlflowException
     with pytest.raises(type(expected) if failing else MlflowException) as raised, tracker:
         if failing:
@@ -201,7 +204,7 @@ def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_st
     run = client.get_run(tracker.run_id)
     assert run.info.status == "FAILED"
     if failing:
-        assert raised.value is expected and run.data.tags[runs.ERROR_TAG].endswith("the run's own error")
+        assert raised.value is expected and run.data.tags[mlflow_store.ERROR_TAG].endswith("the run's own error")
         assert "the MLflow store refused a record of run" in caplog.text
     else:
-        assert "no such metric" in run.data.tags[runs.ERROR_TAG]
+        assert "no such metric" in run.data.tags[mlflow_store.ERROR_TAG]

@@ -10,13 +10,13 @@ import torch.distributed as dist
 import torch.multiprocessing
 from conftest import free_port
 
-from pipeline.checkpoint import autocast_settings
+from pipeline.common.metrics import epoch_metrics
 from pipeline.config import PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
-from pipeline.early_stop import EarlyStopping
-from pipeline.metrics import epoch_metrics
-from pipeline.source import Layout
-from pipeline.task import Task
-from pipeline.worker import Replica, evaluate, prefetched, train_epoch
+from pipeline.data.source import Layout
+from pipeline.training.checkpoint import autocast_settings
+from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.task import Task
+from pipeline.training.worker import Replica, evaluate, prefetched, train_epoch
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 
@@ -85,7 +85,7 @@ def test_prefetched_passes_an_empty_stream_and_errors_through():
     ],
 )
 def test_an_epoch_reports_exactly_the_declared_metrics(task):
-    """What train_epoch and evaluate return is what pipeline.metrics declares, so the tracker, which logs
+    """What train_epoch and evaluate return is what pipeline.common.metrics declares, so the tracker, which logs
     the declared names, drops nothing and misses nothing (outside a process group: one worker)."""
     torch.manual_seed(0)
     outputs = 3 if task.type == "classification" else 1

@@ -12,7 +12,7 @@ import torch
 from conftest import capture_warnings, compose_cfg, jpeg, write_split
 from PIL import Image
 
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
 from transforms import decode_image, random_crop, random_flip, random_resized_crop
 from transforms.tabular import stack_features
 
@@ -284,7 +284,7 @@ def test_photos_are_written_offline_at_real_and_varied_sizes(tmp_path):
     import pyarrow.parquet as pq
     import simplejpeg
 
-    from pipeline.datasets import write_photos
+    from pipeline.data.datasets import write_photos
 
     write_photos(str(tmp_path), rows=60, files=3, gray_fraction=0.2)
     train, valid = pq.read_table(tmp_path / "photos" / "train"), pq.read_table(tmp_path / "photos" / "valid")
@@ -303,8 +303,8 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
     import ray
     import ray.data
 
-    from pipeline.preprocess import EpochCounter
-    from pipeline.steps import apply
+    from pipeline.data.preprocess import EpochCounter
+    from pipeline.data.steps import apply
 
     pixels = images(64)
     flip = compose_cfg([]).transforms.train["flip"]
@@ -346,8 +346,8 @@ def test_seeded_augmentation_follows_the_training_epoch(ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.checkpoint import feature_scaler
-    from pipeline.worker import torch_batches
+    from pipeline.training.checkpoint import feature_scaler
+    from pipeline.training.worker import torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
@@ -369,9 +369,9 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     them on the device; ingest.normalize (for uint8 pixels) leaves float features alone."""
     import ray.data
 
-    from pipeline.checkpoint import feature_scaler
-    from pipeline.preprocess import feature_statistics
-    from pipeline.worker import torch_batches
+    from pipeline.data.preprocess import feature_statistics
+    from pipeline.training.checkpoint import feature_scaler
+    from pipeline.training.worker import torch_batches
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f, "label": i} for i, f in enumerate(features)])
@@ -414,8 +414,8 @@ def test_statistics_skip_missing_values_and_a_feature_without_any_fails_naming_i
     (0 once standardized) where a value is missing."""
     import ray.data
 
-    from pipeline.checkpoint import feature_scaler
-    from pipeline.preprocess import feature_statistics
+    from pipeline.data.preprocess import feature_statistics
+    from pipeline.training.checkpoint import feature_scaler
 
     features = np.array([[1.0, np.nan], [3.0, np.nan], [np.nan, np.nan]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f} for f in features])
@@ -457,7 +457,7 @@ def test_configured_chain_runs_lazily_on_ray_data(ray_runtime, tmp_path):
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import tests/
 
-    from pipeline import steps
+    from pipeline.data import steps
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "shifted.yaml").write_text(SHIFTED)
@@ -489,7 +489,7 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
 ):
     """With source.task_per_file and whole-block steps Ray Data fuses the read and every step into one
     task per file; a split of fewer files than CPUs (2 here) is spread over one block per CPU first."""
-    from pipeline import preprocess, source
+    from pipeline.data import preprocess, source
 
     write_split(tmp_path / "cifar10" / "train", 64, files, seed=0)
     write_split(tmp_path / "cifar10" / "test", 16, 1, seed=0)
@@ -510,8 +510,8 @@ def test_the_modules_ray_tasks_import_leave_torch_and_mlflow_out():
     import sys
 
     modules = (
-        "pipeline.preprocess, pipeline.steps, pipeline.cache, pipeline.stream, pipeline.pieces, pipeline.messages, "
-        "pipeline.events, transforms"
+        "pipeline.data.preprocess, pipeline.data.steps, pipeline.data.cache, pipeline.data.stream, "
+        "pipeline.data.pieces, pipeline.training.events, pipeline.training.relay, transforms"
     )
     code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,7 +1,7 @@
 """The config: its schema (:mod:`.schema`), turned into typed objects and checked (:mod:`.checks`), and its
 pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
 
-from pipeline.config.checks import check_targets, check_values, closest, load, logged, unwrap_optional, validate
+from pipeline.config.checks import check_overrides, check_targets, check_values, closest, load, logged, validate
 from pipeline.config.schema import (
     CONF_DIR,
     FinetuneConfig,
@@ -18,9 +18,10 @@ from pipeline.config.schema import (
     TrackingConfig,
     TrainConfig,
     TransformSpec,
+    experiment_choice,
     register,
 )
-from pipeline.config.targets import accepts, check_target, describe
+from pipeline.config.targets import check_target
 
 __all__ = [
     "CONF_DIR",
@@ -38,15 +39,14 @@ __all__ = [
     "TrackingConfig",
     "TrainConfig",
     "TransformSpec",
-    "accepts",
     "check_target",
+    "check_overrides",
+    "experiment_choice",
     "check_targets",
     "check_values",
     "closest",
-    "describe",
     "load",
     "logged",
     "register",
-    "unwrap_optional",
     "validate",
 ]

@@ -19,7 +19,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 @dataclass
 class S3Config:
     """How to reach S3 or an S3-compatible store. There are no credential fields on purpose: the AWS
-    SDK reads them from the environment, AWS_PROFILE or an instance role (pipeline/filesystems.py)."""
+    SDK reads them from the environment, AWS_PROFILE or an instance role (pipeline/runtime/filesystems.py)."""
 
     region: Optional[str] = None  # null: the AWS SDK's default (AWS_DEFAULT_REGION, profile, us-east-1)
     endpoint_url: Optional[str] = "${oc.env:AWS_ENDPOINT_URL,null}"  # MinIO, Ceph, R2: http(s)://host:port
@@ -299,3 +299,9 @@ def register() -> None:
         "params": None,
     }
     store.store(group="hydra/sweeper", name="tune", node=tune)
+
+
+def experiment_choice(choices) -> str:
+    """The ``+experiment=NAME`` a command chose (Hydra's runtime choices), or ``default``: a job's name for
+    its experiment when ``tracking.experiment_name`` is unset."""
+    return choices.get("experiment") or "default"

@@ -12,7 +12,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from pipeline.errors import PipelineError
+from pipeline.common.errors import PipelineError
 
 BOOLEAN_TEXT = ("true", "false", "yes", "no", "on", "off", "y", "n", "1", "0")  # what OmegaConf reads as a bool
 NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string", type(None): "null"}
@@ -78,7 +78,9 @@ def accepts(value: Any, hint: Any, strict: bool = False) -> bool:
     if hint is bool:
         return isinstance(value, bool) or (not strict and str(value).lower() in BOOLEAN_TEXT)
     if hint is int:
-        return (isinstance(value, int) and not isinstance(value, bool)) or (not strict and _parses(int, value))
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            not strict and isinstance(value, str) and _parses(int, value)
+        )
     if hint is float:
         return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
             not strict and _parses(float, value)

@@ -1,6 +1,6 @@
 """The pipeline's Hydra sweepers and launcher (run on the driver). Hydra loads them only from the
 ``hydra_plugins`` namespace package, so pyproject.toml installs this directory as that package; the
-bookkeeping is in :mod:`pipeline.sweep`, the Ray Tune sweep in :mod:`pipeline.tuning`. The basic
+bookkeeping is in :mod:`pipeline.jobs.sweep`, the Ray Tune sweep in :mod:`pipeline.jobs.tune`. The basic
 ones are selected in ``conf/config.yaml``, the Tune one by ``hparams_search=tune``; so is the callback that
 closes a sweep."""
 
@@ -27,7 +27,7 @@ class PipelineLauncher(BasicLauncher):
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         # MLflow's and torch's imports only once a sweep launches: Hydra imports this module for every
         # command, before it composes the config, and a mistyped override should fail at once
-        from pipeline import sweep
+        from pipeline.jobs import sweep
 
         runs = []
         for offset, overrides in enumerate(job_overrides):
@@ -49,7 +49,7 @@ class PipelineSweeper(BasicSweeper):
 
 class TuneSweeper(Sweeper):
     """A sweep on Ray Tune (concurrent trials, early stopping, search algorithms, resumable): see
-    :mod:`pipeline.tuning`. Its settings are ``hydra.sweeper.*`` (conf/hparams_search/tune.yaml)."""
+    :mod:`pipeline.jobs.tune`. Its settings are ``hydra.sweeper.*`` (conf/hparams_search/tune.yaml)."""
 
     def __init__(self, **settings) -> None:
         self.settings = OmegaConf.create(settings)
@@ -58,11 +58,11 @@ class TuneSweeper(Sweeper):
         self.loader, self.config = hydra_context.config_loader, config
 
     def sweep(self, arguments: list[str]) -> None:
-        from pipeline import tuning  # Ray Tune's imports, only when this sweeper runs
-        from pipeline.errors import PipelineError
+        from pipeline.common.errors import PipelineError
+        from pipeline.jobs import tune  # Ray Tune's imports, only when this sweeper runs
 
         try:
-            tuning.sweep(self.config, self.loader, arguments, self.settings)
+            tune.sweep(self.config, self.loader, arguments, self.settings)
         except PipelineError as err:
             logging.getLogger("pipeline").error("%s", err)
             sys.exit(1)
@@ -70,10 +70,10 @@ class TuneSweeper(Sweeper):
 
 class SweepSummary(Callback):
     """Registered in ``conf/config.yaml`` under ``hydra.callbacks``: at a ``-m`` sweep's end, the best child on
-    the parent run and a table of jobs (:func:`pipeline.sweep.summarize_sweep`). Hydra builds callbacks for every
+    the parent run and a table of jobs (:func:`pipeline.jobs.sweep.summarize_sweep`). Hydra builds callbacks for every
     command before it composes the config: MLflow's imports wait for a sweep's end."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from pipeline import sweep
+        from pipeline.jobs import sweep
 
         sweep.summarize_sweep(config)

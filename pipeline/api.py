@@ -1,0 +1,69 @@
+"""The pipeline from Python, as the command line runs it: a notebook's or a script's way in.
+
+    import pipeline
+    result = pipeline.train("cifar_vit_cpu", overrides=["optim.lr=1e-3"])
+    result.run_id, result.metrics["val_accuracy"], result.model_uri
+
+``python -m pipeline`` hands the config Hydra composed from its command line to the same :func:`run_job`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from omegaconf import DictConfig
+
+from pipeline.config import CONF_DIR, PipelineConfig, check_overrides, load, register
+
+
+def composed(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config Hydra composes for ``python -m pipeline OVERRIDES``, outside ``@hydra.main``."""
+    from hydra import compose, initialize_config_dir
+
+    check_overrides(list(overrides))
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def compose(overrides: Sequence[str] = ()) -> PipelineConfig:
+    """The typed config a stage is handed, for tests and benchmarks that build a job's parts themselves."""
+    return typed(composed(overrides))
+
+
+def train(experiment: str | None = None, overrides: Sequence[str] = (), run_dir: str | None = None):
+    """One training run, as ``python -m pipeline +experiment=EXPERIMENT OVERRIDES`` runs it, in this process:
+    returns a :class:`pipeline.jobs.build.JobResult` (the MLflow run's id, its last epoch's metrics, its best
+    model's URI). A mistake in the config raises :class:`pipeline.common.errors.PipelineError` before Ray starts;
+    Ray started here stays up for the next call."""
+    from pipeline.jobs.build import Job
+
+    chosen = [f"+experiment={experiment}"] if experiment else []
+    cfg = composed([*chosen, *overrides])
+    run_dir = run_dir or os.path.join(cfg.paths.outputs, "runs", time.strftime("%Y-%m-%d/%H-%M-%S"))
+    return run_job(cfg, Job(run_dir, experiment or "default", [*chosen, *overrides], started_at=time.time()))
+
+
+def typed(cfg: DictConfig) -> PipelineConfig:
+    """The composed config as the schema's objects, a source's class names counted first (what the models'
+    ``${source.num_classes}`` reads)."""
+    from pipeline.data.source import with_classes
+
+    with_classes(cfg)
+    return load(cfg)
+
+
+def run_job(cfg: DictConfig, job):
+    """The job ``cfg.stage`` names (train, or predict / evaluate), from the composed config: made typed once,
+    checked where a submitted Ray job would lose its outputs, then run."""
+    from pipeline.jobs import predict
+    from pipeline.jobs import train as training_job
+    from pipeline.runtime import cluster
+
+    config = typed(cfg)  # each stage gets the typed config: cfg.train.epochs
+    cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
+    cluster.note_stop_grace()  # and ray job stop kills its driver 3 s after SIGTERM unless told otherwise
+    stage = predict.run if config.stage in ("predict", "evaluate") else training_job.run
+    return stage(config, job)

@@ -1,0 +1,291 @@
+"""Every workaround for Ray's own behaviour (ray 2.60.0), and MLflow's (3.17), each with the behaviour it
+targets; each is pinned by a canary that fails when that behaviour changes: in ``tests/test_ray_canaries.py``,
+or, for a submitted job's and a token cluster's, in ``tests/test_jobs.py``. All run on the driver.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from pipeline.common.errors import PipelineError
+
+if TYPE_CHECKING:  # not at run time: Ray Data's tasks and the command's start import this module, and Ray Train's
+    import ray.data  # and torch's imports take seconds
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+
+@contextlib.contextmanager
+def global_tracking_uri(uri: str):
+    """MLflow's global tracking URI set to ``uri`` while the block runs, then back as it was.
+
+    MLflow 3.17: a model version whose source is ``models:/MODEL_ID`` (a LoggedModel: what links the
+    version to it in the UI) is looked up by the SQL registry in the global tracking URI's store, not in
+    the calling client's. Setting the global URI also exports ``MLFLOW_TRACKING_URI``, which a later
+    job's ``tracking.uri`` would read: so it is put back at once.
+    """
+    import mlflow  # here: Ray Data's tasks import this module, and MLflow's import takes seconds
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None unsets the variable
+
+
+def import_mlflow_pytorch():
+    """``mlflow.pytorch``, imported without its side effect on logging.
+
+    MLflow 3.17: importing it calls ``logging.basicConfig(level=logging.ERROR)`` (its Lightning autolog
+    module does), so in a process whose root logger has no handler yet (pytest, a notebook, a script
+    calling the pipeline) every warning below ERROR was silenced from then on: the root logger is put
+    back as it was."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    import mlflow.pytorch  # here: Ray Data's tasks import this module, and MLflow's import takes seconds
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    return mlflow.pytorch
+
+
+def local_runtime_settings() -> None:
+    """Environment for a local runtime, set before ``ray.init`` so every Ray process inherits it.
+
+    Ray 2.60: Ray Train's controller starts a preemption watcher (another process, several seconds
+    on 2 cores) unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``; nothing preempts a local runtime.
+    Its control loop polls the workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default), so
+    it notices the end of training up to that late; on one machine a poll is a local call, and 0.5 s
+    ends every run (each Tune trial) about 1.5 s sooner.
+    """
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+STREAMED_BLOCK_BYTES = 16 * 2**20  # a generator task's yields of about this size leave it one by one
+
+
+def streamed_blocks(ds: ray.data.Dataset) -> ray.data.Dataset:
+    """``ds``, whose map tasks yield their rows in several batches, with each batch of over
+    ``STREAMED_BLOCK_BYTES`` handed on as the task yields it.
+
+    Ray 2.60: a map task's yields are merged into blocks of ``DataContext.target_max_block_size`` (128 MiB)
+    before any leaves the task: a worker waited for some 850 decoded photos (seconds, at every epoch's
+    start) before its first batch. A ``select_columns`` fused after such a task holds its whole output
+    until it ends, whatever the block size (its block shaping is off): the pipeline keeps columns inside the
+    task instead (:class:`pipeline.data.steps.Steps`). Canary: ``tests/test_ray_canaries.py``."""
+    ds.context.target_max_block_size = STREAMED_BLOCK_BYTES
+    return ds
+
+
+class _TuneStateRenamedUnderUpload(logging.Filter):
+    """Drops Tune's error for an upload of its experiment state that met a temp file renamed under it."""
+
+    TEMP_FILE = re.compile(r"/\.[0-9a-f-]{36}-tmp-")  # Tune's atomic save: '.<uuid>-tmp-<name>', then renamed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, FileNotFoundError) and self.TEMP_FILE.search(str(error)):
+            logging.getLogger("pipeline").debug("Tune's state upload skipped a renamed temp file: %s", error)
+            return False
+        return True
+
+
+_tune_state_filter = _TuneStateRenamedUnderUpload()
+
+
+def quiet_tune_state_upload_race() -> None:
+    """Keep one harmless race of Ray Tune's off the console, before a sweep starts.
+
+    Ray 2.60: Tune writes its experiment state (each file through a temp file, then renamed) into a
+    staging directory while its last upload of that directory may still run in a background thread. An
+    upload that lists a temp file before the rename fails with FileNotFoundError, and Tune logs it as an
+    error with a traceback although the sweep goes on and its next upload, and the last one, which Tune
+    waits on, copy the whole state. Only that error is dropped. Canary: ``tests/test_ray_canaries.py``."""
+    logging.getLogger("ray.tune.execution.experiment_state").addFilter(_tune_state_filter)  # once per filter
+
+
+def in_submitted_job() -> bool:
+    """Whether this process is a submitted Ray job's entrypoint (``ray job submit``, KubeRay's RayJob).
+
+    Ray 2.60 says so in no public API before ``ray.init``: its job supervisor hands the entrypoint the
+    job's runtime_env in ``RAY_JOB_CONFIG_JSON_ENV_VAR``, which ``ray.init`` merges with its own. Such an
+    entrypoint runs in a temporary copy of the submitted working directory. Canary: a job of
+    ``tests/test_jobs.py`` stopped by :func:`pipeline.runtime.cluster.check_outlives_job`."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def refused_token(err: BaseException) -> bool:
+    """Whether ``ray.init``'s failure to join a cluster was the cluster refusing this process's token.
+
+    Ray 2.60 raises a ConnectionError whose cause, a RuntimeError, holds the AuthenticationError only as
+    the text of a traceback (after about 20 connection attempts). Canary: ``tests/test_jobs.py``, joining a
+    token cluster without RAY_AUTH_MODE=token."""
+    while err is not None:
+        if isinstance(err, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+RAYLET_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # process titles
+
+
+def end_agents_at_exit() -> None:
+    """End the raylet's two agent processes with the command, right after a local ``ray.init``.
+
+    Ray 2.60: at exit ``ray.shutdown`` gives the raylet 1 s to end after SIGTERM, then SIGKILLs it (on a
+    loaded machine it needs longer). Its agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) then
+    take the raylet's end for a crash and report it to the GCS, which has ended too, and wait out that
+    report's 60 s timeout: orphans of a command that has exited. This records them now; at exit, after
+    shutting Ray down first, it ends those still running."""
+    agents = [p for p in psutil.Process().children(recursive=True) if process_title(p).startswith(RAYLET_AGENTS)]
+
+    def end() -> None:
+        ray.shutdown()
+        for agent in agents:
+            with contextlib.suppress(psutil.Error):
+                if agent.is_running():  # still that process (psutil tells a reused pid apart)
+                    agent.kill()
+
+    atexit.register(end)  # before Ray's own shutdown at exit (atexit runs the newest first)
+
+
+def process_title(process: psutil.Process) -> str:
+    """A process's command line ("" once it is gone)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+_stop_requests: list[BaseException] = []
+
+
+@contextlib.contextmanager
+def own_sigterm_handler():
+    """The process's SIGTERM handler (the pipeline's :func:`request_stop`) put back after the block.
+
+    Ray 2.60: ``ray.init`` replaces a driver's SIGTERM handler with its own ``sys.exit``, behind its
+    failure signal handler (absl's), which prints a stack trace and arms a 3 s alarm that aborts the
+    process. Ending the MLflow run (the checkpoints' models saved, the learning curve) can take longer on
+    a busy machine: the run stayed RUNNING. The pipeline's handler, put back, replaces both."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def request_stop(error: BaseException) -> None:
+    """A signal handler's body: raise ``error`` (KeyboardInterrupt, SystemExit) now, and again from
+    :func:`fit_off_main_thread`'s wait loop. An exception a handler raises while a finalizer runs on
+    the main thread (Ray's handles have ``__del__``) is only printed; a lost Ctrl-C would leave
+    training running."""
+    _stop_requests.append(error)
+    raise error
+
+
+def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()`` in a helper thread, waited on from this one.
+
+    Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
+    installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
+    dataset split coordinators) alive after the run, so a sweep piles them up. Off the main thread it
+    installs none: Ctrl-C and SIGTERM reach the pipeline as KeyboardInterrupt / SystemExit, the run
+    is recorded as KILLED, and leaving the process takes the run's actors with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # re-raised on the calling thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # a bounded wait lets signals through
+            if _stop_requests:
+                raise _stop_requests[0]
+    except BaseException:
+        # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
+        # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
+        # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
+        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
+        atexit.register(ray.shutdown)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def root_cause(err: BaseException) -> str:
+    """The innermost error of a worker failure, as ``Type: message``.
+
+    Ray 2.60 flattens an error raised in a task or actor (a Ray Data transform, a training worker)
+    into traceback text; the last ``SomeError: ...`` line that is not one of Ray's wrappers is what
+    user code raised.
+    """
+    lines = [
+        line
+        for line in str(err).splitlines()
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*: ", line) and not line.startswith("ray.")
+    ]
+    return lines[-1] if lines else f"{type(err).__name__}: {err}"
+
+
+def explain(err: ray.train.TrainingFailedError) -> PipelineError:
+    """One line per distinct cause, instead of Ray's truncated multi-rank traceback snippet."""
+    import ray.train  # loaded by then: a training run failed
+
+    if isinstance(err, ray.train.WorkerGroupError):
+        causes = sorted({root_cause(e) for e in err.worker_failures.values()})
+        where = f"on rank(s) {sorted(err.worker_failures)}"
+    else:  # ControllerError: the controller itself failed (storage, a callback, scheduling)
+        causes, where = [root_cause(getattr(err, "controller_failure", err))], "in Ray Train's controller"
+    return PipelineError(
+        f"training failed {where}: {'; '.join(causes)} "
+        "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
+    )
+
+
+def release_placement_group(group_id: str) -> None:
+    """Remove a Tune trial's training placement group (hex id, as :func:`pipeline.training.worker.where_this_runs`
+    reports it) once the trial has ended, if it is still there.
+
+    Ray 2.60: a Tune scheduler that stops a trial (ASHA, median stopping) ends the trial's actor, and
+    with it the Ray Train controller the trial started, before the controller removes its worker
+    group's placement group. Ray Train's PlacementGroupCleaner would remove it, but it asks the state
+    API, which needs the dashboard; without one (a local runtime) the group holds its CPUs until the
+    sweep's process exits, and later trials wait for them forever.
+    """
+    group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+    if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+        remove_placement_group(group)
+
+
+def kept_checkpoints(result: ray.train.Result) -> set[str]:
+    """The paths of every checkpoint Ray Train keeps on storage at the end of a run.
+
+    Ray 2.60: with ``num_to_keep``, Ray Train keeps the best ``num_to_keep`` checkpoints and, always, the
+    latest; ``Result.best_checkpoints`` lists only the former, so a latest checkpoint that is not among the
+    best is on storage but in no list but ``Result.checkpoint``."""
+    kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints or []}
+    if result.checkpoint is not None:
+        kept.add(result.checkpoint.path)
+    return kept

@@ -1,0 +1,162 @@
+"""A split read as *pieces* and each epoch gathered from them (built on the driver, run in Ray tasks): the
+mechanism under both the ingest cache (:mod:`pipeline.data.cache`: pieces decoded once and kept for the run) and
+the streamed shuffle (:mod:`pipeline.data.stream`: pieces of raw rows read anew each epoch, a window at a time).
+
+A piece is one Ray object: a parquet row group, or part of one, as read (and, for the cache, prepared). An
+epoch puts the row groups in a seeded order and cuts that order into *windows*; each window's rows are mixed
+by a seeded permutation, and the epoch's tasks, a run of consecutive ones per window, each take an equal
+share of it and gather those rows from the window's pieces (on one node Ray maps them from its shared
+memory without copying; on a cluster a node fetches the pieces it needs). There is no all-to-all pass: a
+window's rows leave as soon as its pieces exist, and a window that holds every row is a DataLoader's full
+shuffle. Without a seed, the stored order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+import ray.data
+
+from pipeline.common import workarounds
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclass
+class RowGroup:
+    """A parquet file's row group, the first ``rows`` of it (``source.limit``)."""
+
+    file: str
+    index: int
+    rows: int
+    bytes: int  # uncompressed, from the footer: what reading it holds in memory
+
+
+def row_groups(files: list[str], filesystem: pafs.FileSystem, limit: int | None) -> list[RowGroup]:
+    """The split's row groups in file order, from the footers, up to ``limit`` rows."""
+    groups, left = [], math.inf if limit is None else limit
+    for file in files:
+        meta = pq.ParquetFile(file, filesystem=filesystem).metadata
+        for index in range(meta.num_row_groups):
+            group = meta.row_group(index)
+            rows = int(min(group.num_rows, left))
+            if rows <= 0:
+                return groups
+            groups.append(RowGroup(file, index, rows, round(group.total_byte_size * rows / max(group.num_rows, 1))))
+            left -= rows
+    return groups
+
+
+def read_group(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str]) -> pa.Table:
+    """One row group's ``columns`` (its first ``group.rows`` rows)."""
+    reader = pq.ParquetFile(group.file, filesystem=filesystem)
+    return reader.read_row_group(group.index, columns=columns).slice(0, group.rows)
+
+
+def numpy_batch(table: pa.Table, path: str | None = None) -> Batch:
+    """A table's columns as Ray Data hands a numpy batch to a step, with the reader's ``path`` column (the
+    table's own, or ``path`` for every row)."""
+    batch = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    if path is not None:
+        batch["path"] = np.full(table.num_rows, path, dtype=object)
+    return batch
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes a batch's columns hold: arrays' buffers, and each element of object columns (ragged images, bytes)."""
+    total = 0
+    for values in batch.values():
+        if values.dtype != object:
+            total += values.nbytes
+            continue
+        for value in values:
+            total += (
+                value.nbytes if isinstance(value, np.ndarray) else len(value) if isinstance(value, (bytes, str)) else 8
+            )
+    return total
+
+
+def group_order(groups: int, seed: int | None, epoch: int) -> np.ndarray:
+    """An epoch's order of the row groups: drawn from (seed, epoch); the stored order without a seed."""
+    return np.arange(groups) if seed is None else np.random.default_rng([seed, epoch]).permutation(groups)
+
+
+def window_groups(groups: int, seed: int | None, epoch: int, windows: int) -> list[np.ndarray]:
+    """The row groups of each of the epoch's ``windows``: its order cut into runs of about equal length."""
+    return np.array_split(group_order(groups, seed, epoch), windows)
+
+
+class Source(Protocol):
+    """Where an epoch's tasks find a window's pieces (the cache's, or a stream reader's)."""
+
+    def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], list[list[tuple[int, int]]]]:
+        """Window ``index`` of the ``count`` the epoch has: its pieces, in the window's row-group order, and per
+        row group its pieces' ``[(rows, bytes)]`` (waits until they are read)."""
+
+    def take(self, parts: dict[int, object], piece: np.ndarray, row: np.ndarray) -> Batch:
+        """The rows ``row[i]`` of pieces ``piece[i]`` (``parts``: piece index -> piece), in that order, as a batch."""
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How many windows an epoch's row groups are cut into: ``first`` in epoch 0, ``later`` after it."""
+
+    first: int
+    later: int
+
+    def count(self, epoch: int) -> int:
+        return self.first if epoch == 0 else self.later
+
+
+def window_tasks(window: int, tasks: int, windows: int) -> range:
+    """The epoch's ``tasks`` that read window ``window`` of ``windows``: a run of consecutive ones
+    (``tasks >= windows``)."""
+    return range(-(-window * tasks // windows), -(-(window + 1) * tasks // windows))
+
+
+def task_share(task: int, tasks: int, windows: int) -> tuple[int, int, int]:
+    """Which window task ``task`` of ``tasks`` reads, and which of that window's tasks it is, of how many."""
+    window = task * windows // tasks
+    run = window_tasks(window, tasks, windows)
+    return window, task - run.start, len(run)
+
+
+CHUNKS_PER_TASK = 8  # a task hands on its rows in about this many batches (fewer, with fewer pieces)
+
+
+def dataset(
+    source: Source, windows: Windows, tasks: int, seed: int | None, then: Callable, seeded: Callable, options: dict
+) -> ray.data.Dataset:
+    """A lazy dataset of ``tasks`` tasks per epoch that gather each epoch's rows from ``source``'s pieces, a
+    window at a time, mixed with ``seed``, and hand them on through ``then(batch, epoch)`` (the steps that
+    run every epoch, in the same process: no copy between them). ``seeded`` binds the training epoch
+    (:func:`pipeline.data.steps.seeded`); ``options``: the tasks' Ray options (CPUs, where they may run)."""
+    tasks = max(tasks, windows.first, windows.later)
+
+    def epoch_part(batch: Batch, epoch: int = 0) -> Iterator[Batch]:
+        count = windows.count(epoch)
+        window, part, parts = task_share(int(batch["id"][0]), tasks, count)
+        refs, sizes = source.window(epoch, window, count)
+        rows = [n for group in sizes for n, _ in group]
+        starts = np.cumsum([0, *rows])
+        total = int(starts[-1])
+        order = np.arange(total) if seed is None else np.random.default_rng([seed, epoch, window]).permutation(total)
+        mine = np.array_split(order, parts)[part]
+        if not len(mine):  # more tasks than rows (a transform skipped most of them)
+            return
+        piece_of = np.searchsorted(starts, mine, side="right") - 1
+        needed = np.unique(piece_of)
+        found = dict(zip(needed.tolist(), ray.get([refs[i] for i in needed])))
+        for cut in np.array_split(np.arange(len(mine)), max(1, min(len(needed), CHUNKS_PER_TASK))):
+            yield then(source.take(found, piece_of[cut], mine[cut] - starts[piece_of[cut]]), epoch)
+
+    ds = ray.data.range(tasks, override_num_blocks=tasks).map_batches(seeded(epoch_part), batch_size=None, **options)
+    return workarounds.streamed_blocks(ds)

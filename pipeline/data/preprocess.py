@@ -1,0 +1,290 @@
+"""Transforms stage (built on the driver, run in Ray tasks and actors): each split's dataset, its configured
+steps (:mod:`pipeline.data.steps`) chained on, read one of two ways: cached (:mod:`pipeline.data.cache`: the steps that
+run once, kept in Ray's object store) or streamed (:mod:`pipeline.data.stream`: read anew every epoch), the
+training split in a seeded order, new every epoch; what decides between them (``ingest.cache``); and
+prediction's rows, read by Ray Data in their stored order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import ray.data
+from ray.exceptions import RayError
+
+from pipeline.common import workarounds
+from pipeline.data import cache, pieces, source, stream
+from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
+from pipeline.common.errors import PipelineError
+from pipeline.data.steps import (
+    Steps,
+    apply,
+    cached_steps,
+    is_class,
+    placement,
+    read_placement,
+    read_steps,
+    seeded,
+    streamed,
+)
+
+
+@ray.remote(num_cpus=0)
+class EpochCounter:
+    """The training epoch now being read: set by the training workers, read by the transforms."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def get(self) -> int:
+        return self.epoch
+
+
+@dataclass
+class TrainingData:
+    """What the training workers read: each split's lazy dataset, its row count (from the parquet
+    footers, capped by ``source.limit``), the epoch counter its seeded steps follow, with
+    ``ingest.standardize`` the training features' mean and std, and the cache (see ``plan``)."""
+
+    datasets: dict[str, ray.data.Dataset]
+    rows: dict[str, int]
+    epoch_counter: Any  # an EpochCounter actor handle
+    statistics: dict | None = None
+    plan: CachePlan | None = None
+    caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
+    streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream, with the plan off
+    reader: Any = None  # the stream.StreamReader actor the streams share
+
+    def __enter__(self) -> TrainingData:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """The job is over: its epoch counter and stream reader go (the datasets' tasks end with their job)."""
+        for actor in (self.epoch_counter, self.reader):
+            if actor is not None:
+                ray.kill(actor)
+
+
+@dataclass
+class CachePlan:
+    """Whether each split's deterministic steps run once, their output kept in Ray's object store, or
+    every epoch: the estimate it was decided on and, once built, what the cache holds."""
+
+    on: bool
+    estimate_bytes: int  # every split's cached stage, from the first rows of its first file
+    capacity_bytes: int  # ingest.cache_share of the object store
+    row_bytes: dict[str, float] = field(default_factory=dict)  # split -> estimated bytes a cached row takes
+    built: dict[str, TransformSpec] = field(default_factory=dict)  # split -> rows, bytes, seconds (cache.Cache.built)
+    one_pass: bool = False  # auto with one epoch: each row is read once, so there is nothing to keep
+
+    def summary(self) -> str:
+        """One line for the console and the run's ``pipeline.data.cache`` tag."""
+        share = f"{self.estimate_bytes / 2**20:,.0f} MiB estimated, {self.capacity_bytes / 2**20:,.0f} MiB allowed"
+        if not self.on and not self.row_bytes:
+            return "not cached (ingest.cache=false): every step runs every epoch"
+        if self.one_pass:
+            return "not cached (ingest.cache=auto): one epoch reads each row once"
+        if not self.on:
+            return f"not cached, every step runs every epoch ({share}: ingest.cache, ingest.cache_share)"
+        parts = [
+            f"{name} {built['rows']:,} rows, {built['bytes'] / 2**20:,.1f} MiB in {built['seconds']:.1f} s"
+            for name, built in self.built.items()
+        ]
+        return f"cached in Ray's object store: {'; '.join(parts) or 'building'} ({share})"
+
+
+def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
+    """Each split read lazily with its transforms chained on (the training split shuffled, with
+    ``ingest.shuffle``). With the cache on (``plan``, else decided here), each split's steps that run
+    once are submitted now, as Ray tasks, and training reads their output as it comes; a split that is not
+    cached is streamed (:mod:`pipeline.data.stream`), its first window read now. Only ``ingest.standardize``
+    waits, for its pass over the training split: a transform that fails there fails the job here, in one line
+    naming the cause. Use it as a context manager: leaving the ``with`` block ends the epoch counter and the
+    stream reader."""
+    src, counter, ingest = cfg.source, EpochCounter.remote(), cfg.ingest
+    layout = splits["train"].layout
+    columns = [layout.model_input, layout.label]
+    seed = cfg.train.seed if ingest.shuffle else None
+    plan = plan or cache_plan(cfg, splits)
+    data = TrainingData({}, {name: split.rows for name, split in splits.items()}, counter, plan=plan)
+    try:
+        for name, split in splits.items():
+            shuffle = seed if name == "train" else None
+            if plan.on:
+                data.datasets[name], data.caches[name] = cached_dataset(
+                    split, columns, src, counter, shuffle, plan.row_bytes[name]
+                )
+                continue
+            if data.reader is None:
+                data.reader = stream.StreamReader.options(**read_placement(split.steps)).remote()
+            data.datasets[name], data.streams[name] = streamed_dataset(
+                split, name, columns, src, counter, shuffle, plan.capacity_bytes // 3, data.reader
+            )
+        stacked = layout.inputs if layout.stacked else None
+        if ingest.standardize:
+            data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
+    except BaseException as err:
+        data.__exit__()
+        if isinstance(err, RayError):
+            raise PipelineError(
+                f"preprocessing failed: {workarounds.root_cause(err)} (full tracebacks: Ray's session logs, "
+                "/tmp/ray/session_latest/logs on the head node)."
+            ) from err
+        raise
+    return data
+
+
+def dataset(
+    split: source.Split,
+    steps: dict[str, TransformSpec],
+    columns: list[str],
+    source_cfg: SourceConfig,
+    epoch_counter=None,
+):
+    """``split`` read lazily (as ``source.*`` says) in its stored order, numeric feature columns stacked into
+    one vector, spread over at least one block per CPU, with ``steps`` chained on: every step runs every
+    epoch (prediction's rows).
+    ``columns``: the column the model takes (the split's ``layout.model_input``), then any others to keep."""
+    features = split.layout.inputs
+    placed = read_placement(steps)  # these steps run where the reads do, fused with them
+    ds = source.read(split, [*features, *columns[1:]], source_cfg, placed)
+    for fn, kwargs in read_steps(split):
+        ds = ds.map_batches(fn, fn_kwargs=kwargs, batch_size=None, **placed)
+    blocks = max(len(split.files), int(ray.cluster_resources().get("CPU", 1)))
+    if source_cfg.task_per_file and blocks > len(split.files):  # few, large files: still several tasks at once
+        ds = ds.repartition(blocks)
+    return apply(ds, steps, columns, epoch_counter)
+
+
+def streamed_dataset(
+    split: source.Split,
+    name: str,
+    columns: list[str],
+    source_cfg: SourceConfig,
+    epoch_counter,
+    shuffle_seed: int | None,
+    budget: int,
+    reader,
+) -> tuple[ray.data.Dataset, stream.Stream]:
+    """``split`` (called ``name``) read anew every epoch by ``reader`` (:mod:`pipeline.data.stream`), in a new
+    order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a time,
+    every step run as its rows are gathered. ``columns`` as :func:`dataset`'s."""
+    steps = streamed(split.steps)
+    groups = pieces.row_groups(split.files, split.filesystem, source_cfg.limit)
+    columns_read = [*split.layout.inputs, *columns[1:]]
+    streaming = stream.open_stream(reader, name, groups, split.filesystem, columns_read, shuffle_seed, budget)
+    return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, epoch_counter), streaming
+
+
+def cached_dataset(
+    split: source.Split,
+    columns: list[str],
+    source_cfg: SourceConfig,
+    epoch_counter,
+    shuffle_seed: int | None,
+    row_bytes: float,
+) -> tuple[ray.data.Dataset, cache.Cache]:
+    """``split`` with its steps that run once submitted now as Ray tasks (:mod:`pipeline.data.cache`), and a
+    lazy dataset that reads their output each epoch, mixed with ``shuffle_seed``, with the per-epoch steps
+    chained on. ``columns`` as :func:`dataset`'s."""
+    once, every_epoch = cached_steps(split.steps)
+    prepare = Steps(once, read_steps(split))
+    first = next(iter(once.values()), None)
+    build_options = {
+        "num_cpus": max((s.num_cpus for s in once.values()), default=1.0),
+        **(placement(first) if first else {}),
+    }
+    groups = pieces.row_groups(split.files, split.filesystem, source_cfg.limit)
+    columns_read = [*split.layout.inputs, *columns[1:]]
+    built = cache.build(groups, split.filesystem, columns_read, prepare, row_bytes, shuffle_seed, build_options)
+    return gathered(built, shuffle_seed, every_epoch, [], columns, epoch_counter), built
+
+
+def gathered(source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, counter):
+    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first`` (:func:`read_steps`)
+    and ``steps`` run on the rows as they are gathered, in the same task, which keeps only ``columns``; class
+    steps, which need their actor pools, run after, as Ray Data steps."""
+    inline = not any(is_class(spec) for spec in steps.values())
+    then = Steps(steps, first, keep=columns) if inline else Steps({}, first)
+    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0)} if inline else {}
+    bind = functools.partial(seeded, epoch_counter=counter)
+    ds = pieces.dataset(source, source.windows, source.tasks, seed, then, bind, {**options, **read_placement(steps)})
+    return ds if inline else apply(ds, steps, columns, counter)
+
+
+SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps to estimate the cache
+
+
+def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePlan:
+    """``ingest.cache`` decided before anything is recorded: the cached stage's size estimated from the
+    first rows of each split (run through its once-only steps here, on the driver: a transform that fails
+    on them fails here) against ``ingest.cache_share`` of Ray's object store. ``auto`` streams what does not
+    fit, and a run of one epoch, which reads each row once; ``true`` fails."""
+    ingest = cfg.ingest
+    capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest.cache_share)
+    if ingest.cache is False:
+        return CachePlan(False, 0, capacity)
+    row_bytes = {}
+    for name, split in splits.items():
+        once, _ = cached_steps(split.steps)
+        try:
+            sample = sample_rows(split, once)
+        except Exception as err:  # a transform's own error about the user's data: it names the file and row
+            raise PipelineError(f"transforms.{name}: {type(err).__name__}: {err}") from err
+        row_bytes[name] = pieces.batch_bytes(sample) / max(len(sample["path"]), 1)
+    estimate = round(sum(row_bytes[name] * split.rows for name, split in splits.items()))
+    if estimate > capacity and ingest.cache is True:
+        raise PipelineError(
+            f"ingest.cache=true: the cached steps' output is about {estimate / 2**20:,.0f} MiB (estimated from "
+            f"the first {SAMPLE_ROWS} rows of each split), more than ingest.cache_share={ingest.cache_share:g} of "
+            f"Ray's object store ({capacity / 2**20:,.0f} MiB). Set ingest.cache=auto (streams what does not fit) or "
+            "false, cache a smaller working size (the decode step's resize), or give Ray a larger object store "
+            "(ray.object_store_memory=BYTES, or ray start --object-store-memory on a cluster)."
+        )
+    one_pass = ingest.cache == "auto" and cfg.train.epochs == 1
+    return CachePlan(estimate <= capacity and not one_pass, estimate, capacity, row_bytes, one_pass=one_pass)
+
+
+def sample_rows(split: source.Split, steps: dict[str, TransformSpec]) -> dict[str, np.ndarray]:
+    """The first rows of the split's first file as a Ray Data batch would hold them, through ``steps``."""
+    layout = split.layout
+    reader = pq.ParquetFile(split.files[0], filesystem=split.filesystem)
+    table = pa.Table.from_batches([next(reader.iter_batches(SAMPLE_ROWS, columns=[*layout.inputs, layout.label]))])
+    return Steps(steps, read_steps(split))(pieces.numpy_batch(table, split.files[0]))
+
+
+def feature_statistics(ds, column: str, names: list[str] | None = None) -> dict[str, list[float]]:
+    """Per-feature mean and std of ``column`` over ``ds`` (one pass; a constant feature gets std 1), over the
+    values present (``source.on_missing: mean`` leaves missing ones NaN). A feature with no value, or
+    whose statistics overflow, fails naming it (``names``: the table's columns stacked into ``column``)."""
+
+    def moments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = batch[column].astype(np.float64)
+        present = np.isfinite(values)
+        values = np.where(present, values, 0.0)
+        return {"rows": present.sum(0)[None], "sum": values.sum(0)[None], "squares": (values**2).sum(0)[None]}
+
+    parts = ds.select_columns([column]).map_batches(moments, batch_size=None).take_all()
+    rows = sum(part["rows"] for part in parts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sum(part["sum"] for part in parts) / rows
+        std = np.sqrt(np.maximum(sum(part["squares"] for part in parts) / rows - mean**2, 0.0))
+    bad = np.flatnonzero(~np.isfinite(mean) | ~np.isfinite(std))
+    if len(bad):
+        i = bad[0]
+        named = f" (column {names[i]!r})" if names else ""
+        raise PipelineError(
+            f"ingest.standardize: feature {i} of {column!r}{named} has no finite mean and std over the training split "
+            f"(mean {mean[i]}, std {std[i]}, from {int(rows[i])} value(s)): every value is missing, or they overflow. "
+            "Drop or fix that column (source.feature_column)."
+        )
+    return {"mean": mean.tolist(), "std": np.where(std > 1e-12, std, 1.0).tolist()}

@@ -1,0 +1,172 @@
+"""The configured transform steps (built on the driver, run in Ray Data's tasks and actors): which run once
+and which every epoch, and how Ray runs them.
+
+Functions run as stateless Ray tasks; classes run as an actor pool (built once per actor, for
+transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
+
+A transform function that declares an ``epoch`` parameter is called with the training epoch its
+pass belongs to, so seeded random augmentation changes every epoch and a resumed run repeats
+exactly what an uninterrupted one would do. The training workers set that epoch on a small
+:class:`pipeline.data.preprocess.EpochCounter` actor before each pass starts; Ray Data's split coordinator starts
+a pass only once every worker has asked for it, so no task of the pass reads an older value.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+import ray.data
+from hydra.utils import instantiate
+
+from pipeline.data import source
+from pipeline.config import PredictConfig, TransformSpec
+from pipeline.common.errors import PipelineError
+from transforms.tabular import stack_features
+
+
+def streamed(steps: dict[str, TransformSpec]) -> dict[str, TransformSpec]:
+    """The steps a split that is not cached runs: without those that only make the cache's working size
+    (``streamed: false``), whose work the next step does itself."""
+    return {name: spec for name, spec in steps.items() if spec.streamed}
+
+
+def read_steps(split: source.Split) -> list[tuple[Callable, dict]]:
+    """What a split's rows go through as read, before any configured step: class names made their index,
+    a table's numeric columns stacked into one vector (each a function and its arguments)."""
+    layout, steps = split.layout, []
+    if layout.classes is not None:
+        steps.append((class_indices, {"column": layout.label, "classes": layout.classes}))
+    if split.tabular:
+        stacking = {"columns": layout.inputs, "output": layout.model_input, "on_missing": layout.on_missing}
+        steps.append((stack_features, stacking))
+    return steps
+
+
+def class_indices(batch: dict[str, np.ndarray], column: str, classes: list[str]) -> dict[str, np.ndarray]:
+    """Class names in ``column`` as their index in ``classes`` (every name is one: checked before training)."""
+    order = np.argsort(classes)
+    found = np.searchsorted(np.asarray(classes)[order], batch[column].astype(str))
+    return {**batch, column: order[np.minimum(found, len(classes) - 1)].astype(np.int64)}
+
+
+class Steps:
+    """Transform steps run in one process, one after another, on a batch: ``first`` (:func:`read_steps`),
+    then each step (a class step built here), those that take an ``epoch`` given the one the call passes;
+    then, with ``keep``, only those columns. Steps are built on first use, once per process that runs them."""
+
+    def __init__(
+        self, specs: dict[str, TransformSpec], first: list[tuple[Callable, dict]], keep: list[str] | None = None
+    ):
+        self.specs, self.first, self.keep, self.fns = specs, first, keep, None
+
+    def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
+        if self.fns is None:
+            self.fns = [built(spec) for spec in self.specs.values()]
+        for fn, kwargs in self.first:
+            batch = fn(batch, **kwargs)
+        for fn, takes in self.fns:
+            batch = fn(batch, epoch=epoch) if takes and epoch is not None else fn(batch)
+        return batch if self.keep is None else {name: batch[name] for name in self.keep}
+
+
+def built(spec: TransformSpec) -> tuple[Any, bool]:
+    """A step's callable (a class step's instance) and whether it takes an ``epoch``."""
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
+    if is_class(spec):
+        return fn.func(**fn.keywords), False
+    return fn, "epoch" in inspect.signature(fn).parameters
+
+
+def is_class(spec: TransformSpec) -> bool:
+    """Whether a step's ``fn`` names a class (run as an actor pool) rather than a function."""
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
+    return isinstance(fn, functools.partial) and isinstance(fn.func, type)
+
+
+def cached_steps(steps: dict[str, TransformSpec]) -> tuple[dict[str, TransformSpec], dict[str, TransformSpec]]:
+    """The steps that run once (up to the first that runs every epoch) and those that run every epoch.
+    A step runs every epoch when its ``cache`` says false, or, unset, when its function takes the
+    ``epoch`` (seeded augmentation: a new draw each epoch)."""
+    names = list(steps)
+    for i, spec in enumerate(steps.values()):
+        per_epoch = not spec.cache if spec.cache is not None else takes_epoch(spec)
+        if per_epoch:
+            return {n: steps[n] for n in names[:i]}, {n: steps[n] for n in names[i:]}
+    return steps, {}
+
+
+def takes_epoch(spec: TransformSpec) -> bool:
+    """Whether a step's function (not a class: actors are not told the epoch) declares an ``epoch`` parameter."""
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    return not isinstance(target, type) and "epoch" in inspect.signature(target).parameters
+
+
+def check_streamed(split: str, steps: dict[str, TransformSpec]) -> None:
+    """A step marked ``streamed: false`` only fills the cache: it must be one that runs once."""
+    once, _ = cached_steps(steps)
+    for name, spec in steps.items():
+        if not spec.streamed and name not in once:
+            raise PipelineError(
+                f"transforms.{split}.{name}.streamed=false skips the step wherever nothing is cached, but the step "
+                "runs every epoch (its cache is false, it takes the epoch, or a step before it runs every epoch), so "
+                "it would never run. Set streamed: true, or let the step run once (cache: true)."
+            )
+
+
+def apply(ds, specs: dict[str, TransformSpec], columns: list[str] | None, epoch_counter=None):
+    """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict, none null) appended, in order,
+    then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
+    where the last step ran; ``None`` keeps every column. Without an ``epoch_counter`` (prediction),
+    ``epoch`` keeps its default."""
+    last: dict = {}
+    for spec in specs.values():
+        fn = instantiate(spec.fn, _partial_=True, _convert_="all")
+        options = {
+            "batch_format": "numpy",
+            "batch_size": spec.batch_size,
+            "num_cpus": spec.num_cpus,
+            **placement(spec),
+        }
+        if isinstance(fn, functools.partial) and isinstance(fn.func, type):
+            pool = ray.data.ActorPoolStrategy(size=spec.concurrency or 1)
+            ds = ds.map_batches(fn.func, fn_constructor_kwargs=fn.keywords, compute=pool, **options)
+        else:
+            fn = seeded(fn, epoch_counter)
+            ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec.concurrency), **options)
+        last = placement(spec)
+    return ds if columns is None else ds.select_columns(columns, **last)
+
+
+def seeded(fn, epoch_counter):
+    """``fn`` with ``epoch`` bound, when a Ray Data task calls it, to the epoch the workers are reading
+    (one actor call per batch; steps with ``batch_size: null`` take a whole file per batch); ``fn``
+    itself when it takes no ``epoch`` or there is no counter (prediction: ``epoch`` keeps its default)."""
+    if epoch_counter is None or "epoch" not in inspect.signature(fn).parameters:
+        return fn
+
+    def call(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:
+        return fn(batch, epoch=ray.get(epoch_counter.get.remote()), **kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(fn, "func", fn).__name__  # Ray names the operator after it
+    return call
+
+
+def placement(spec: TransformSpec | PredictConfig) -> dict:
+    """Ray's options for where a step's tasks or actors (or predict's replicas) may run: the custom resources
+    and node labels it asks for (none: any node with a free CPU)."""
+    wanted = {"resources": spec.resources, "label_selector": spec.label_selector}
+    return {key: dict(value) for key, value in wanted.items() if value}
+
+
+def read_placement(specs: dict[str, TransformSpec]) -> dict:
+    """Reading runs where the split's first step does, so a cluster's reads stay on its preprocessing
+    nodes and Ray Data can fuse the read with that step into one task (select_columns, likewise,
+    runs where the last step does)."""
+    steps = list(specs.values())
+    return placement(steps[0]) if steps else {}

@@ -1,0 +1,290 @@
+"""Where a job runs: a local Ray runtime, or an existing cluster joined with the project's code.
+
+Joining a cluster ships ``ray.py_modules`` (the pipeline and its transforms) in the job's runtime
+environment, so nodes need only the dependencies. On more than one node, every path a worker opens
+(run storage, local parquet) must be the same shared path everywhere; that is checked on each node
+before anything is recorded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from pipeline.common import workarounds
+from pipeline.common.errors import PipelineError
+from pipeline.config import PipelineConfig, RayConfig, ScalingConfig
+from pipeline.runtime.filesystems import is_s3
+
+log = logging.getLogger(__name__)
+NODE_CHECK_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 5.0
+STOP_GRACE_S = 30  # what a submitted job asks ray job stop to wait between SIGTERM and SIGKILL
+
+
+def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
+    """The job's runtime_env: ``extra`` (the config's), plus, joining a cluster, ``py_modules`` uploaded
+    from this checkout, so every node imports the same code the driver runs. A submitted Ray job ships
+    none: its own runtime_env (``--working-dir``) already carries the code it was submitted with, and
+    Ray merges the two. Environment variables become strings, as Ray requires (YAML reads ``1`` as a
+    number)."""
+    env = dict(extra)
+    if env.get("env_vars"):
+        env["env_vars"] = {key: str(value) for key, value in env["env_vars"].items()}
+    if address is not None and py_modules and not workarounds.in_submitted_job():
+        env["py_modules"] = [*env.get("py_modules", []), *(module_dir(name) for name in py_modules)]
+        env.setdefault("excludes", ["__pycache__/"])
+    return env
+
+
+def module_dir(name: str) -> str:
+    """Where module ``name`` is imported from: a package's directory, or a module's file. A path, not the
+    module: a Ray job deep-copies the runtime_env it merges with its own, and a module cannot be copied."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise PipelineError(f"ray.py_modules: cannot import {name!r} to ship it to the cluster ({err}).") from err
+    return next(iter(getattr(module, "__path__", [])), None) or str(module.__file__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The Ray runtime a job asks for, worked out once from ``ray`` and ``scaling``: where it runs, what a
+    local runtime holds, and what the training workers take of it."""
+
+    address: str | None
+    num_cpus: int
+    env: dict
+    object_store_memory: int | None
+    num_workers: int  # the fewest training workers the run starts with (elastic: MIN)
+    per_worker: dict[str, float]  # scaling.resources_per_worker
+
+
+def runtime(ray_cfg: RayConfig, scaling: ScalingConfig) -> Runtime:
+    """The runtime ``ray.*`` and ``scaling.*`` ask for, with the project's code shipped to a cluster."""
+    return Runtime(
+        address=ray_cfg.address,
+        num_cpus=ray_cfg.num_cpus or local_cpus(scaling),
+        env=runtime_env(ray_cfg.address, ray_cfg.py_modules, ray_cfg.runtime_env),
+        object_store_memory=ray_cfg.object_store_memory,
+        num_workers=scaling.min_workers,
+        per_worker=dict(scaling.resources_per_worker),
+    )
+
+
+def connect(wanted: Runtime) -> None:
+    """Start or join the runtime."""
+    start_ray(wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
+
+
+def local_cpus(scaling: ScalingConfig) -> int:
+    """A local runtime's logical CPUs: the machine's cores, plus those the training workers reserve, plus one.
+
+    Ray Data's budget is what training leaves of the logical CPUs, so without the extra ones a worker that
+    waits for its batches keeps its reserved core idle; with them preprocessing may use every core, as a
+    DataLoader's worker processes do beside their training process, and one task more, since its tasks
+    wait on Ray's object store part of the time. When training is the bound, the OS shares the cores
+    between both: ``data_wait_fraction`` shows which way an epoch went (docs/performance.md)."""
+    training = scaling.max_workers * scaling.resources_per_worker.get("CPU", 0.0)
+    return (os.cpu_count() or 1) + math.ceil(training) + 1
+
+
+def start_ray(
+    address: str | None, num_cpus: int | None, env: dict | None = None, object_store_memory: int | None = None
+) -> None:
+    """Join ``address`` or start a local runtime (never a cluster RAY_ADDRESS names by accident), once
+    per process: a sweep's jobs share it. Worker and Ray Data logs stay in Ray's session log files."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        workarounds.local_runtime_settings()
+    else:
+        check_reachable(address)
+    try:
+        with workarounds.own_sigterm_handler():
+            ray.init(
+                address=address or "local",
+                num_cpus=num_cpus if address is None else None,
+                object_store_memory=object_store_memory if address is None else None,
+                runtime_env=env or None,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                include_dashboard=False if address is None else None,
+            )
+    except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
+        if workarounds.refused_token(err):
+            raise token_refused(address) from None  # Ray's chain repeats a long traceback as text
+        raise unreachable(address, err) from err
+    if address is None:
+        workarounds.end_agents_at_exit()
+    resources = ray.cluster_resources()
+    log.info(
+        "Ray runtime up (%s): %d node(s), %g CPU, %g GPU",
+        address or "local",
+        len(alive_nodes()),
+        resources.get("CPU", 0),
+        resources.get("GPU", 0),
+    )
+
+
+def check_reachable(address: str) -> None:
+    """Fail within seconds when nothing listens at ``HOST:PORT`` (or ``ray://HOST:PORT``): Ray itself
+    retries an unreachable address for a long time before it gives up."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise unreachable(address, err) from err
+
+
+def unreachable(address: str, err: Exception) -> PipelineError:
+    return PipelineError(
+        f"ray.address: cannot reach a Ray cluster at {address!r} ({err}). Check the address (ray.address, or "
+        "the RAY_ADDRESS variable) and that the cluster is up (`ray status` on its head node), or leave "
+        "ray.address unset (null) to start a local runtime."
+    )
+
+
+def token_refused(address: str | None) -> PipelineError:
+    """The cluster uses Ray's token authentication and refused what this process sent."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        cause = "the token it sent (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is not the cluster's"
+    else:
+        cause = (
+            "this process sent no token: Ray sends one to an address it is given only when RAY_AUTH_MODE=token "
+            "is exported (`ray start` turns authentication on wherever a token exists, such as the "
+            "~/.ray/auth_token any local Ray run writes)"
+        )
+    return PipelineError(
+        f"ray.address: the Ray cluster at {address!r} uses token authentication and refused this process: "
+        f"{cause}. Export RAY_AUTH_MODE=token with the cluster's token (`ray get-auth-token` on the head node "
+        "prints it) in ~/.ray/auth_token, or in RAY_AUTH_TOKEN or a file named by RAY_AUTH_TOKEN_PATH; "
+        "`ray job submit` needs the same (docs/cluster.md)."
+    )
+
+
+def alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+@ray.remote(num_cpus=0)
+def _missing_here(paths: list[str]) -> list[str]:
+    return [path for path in paths if not os.path.exists(path)]
+
+
+def check_shared(address: str | None, paths: dict[str, str | None]) -> None:
+    """On a cluster of more than one node, fail unless each of ``paths`` (config key -> path or URI) is
+    set, and every node sees each local one as the driver does. A directory gets a marker file written
+    here and looked for on each node, so a same-named but separate local directory fails too. Through
+    Ray Client (``ray://``) the driver's files are not the cluster's, so only the first part is checked."""
+    nodes = alive_nodes()
+    if len(nodes) < 2:
+        return
+    for key, path in paths.items():
+        if path is None:
+            raise PipelineError(
+                f"{key} must be set on a cluster of {len(nodes)} nodes: to a directory every node "
+                "mounts at the same path (NFS, a cloud file system) or an s3:// URI."
+            )
+    if (address or "").startswith("ray://"):
+        return
+    probes = {key: os.path.abspath(path) for key, path in paths.items() if not is_s3(path)}
+    markers = []
+    for key, path in probes.items():
+        if os.path.isdir(path):
+            markers.append(os.path.join(path, f".pipeline-shared-{uuid.uuid4().hex}"))
+            open(markers[-1], "w").close()
+            probes[key] = markers[-1]
+    try:
+        refs = [
+            _missing_here.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            ).remote(list(probes.values()))
+            for node in nodes
+        ]
+        try:
+            results = ray.get(refs, timeout=NODE_CHECK_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as err:
+            raise PipelineError(
+                f"checking that every node sees {', '.join(probes)} took over "
+                f"{NODE_CHECK_TIMEOUT_S:g} s: is a node of the cluster down?"
+            ) from err
+    finally:
+        for marker in markers:
+            os.remove(marker)
+    for node, missing in zip(nodes, results):
+        for key, probe in probes.items():
+            if probe in missing:
+                raise PipelineError(
+                    f"{key}: {paths[key]} is not visible on node {node['NodeManagerAddress']} ({node['NodeID'][:12]}) "
+                    f"as it is on this driver. On a cluster of {len(nodes)} nodes every node must reach it: "
+                    "use a shared mount (NFS, a cloud file system) at the same path, or an s3:// URI."
+                )
+
+
+def check_outlives_job(cfg: PipelineConfig) -> None:
+    """In a submitted Ray job, fail unless the run's record outlives the job. Its entrypoint runs in a
+    temporary copy of the submitted working directory, which Ray deletes: a local MLflow store,
+    checkpoints or predictions written there (relative paths, and the defaults under ``paths.outputs``)
+    would be a finished run nobody finds. An absolute path outside it is the user's opt-in: their disk stays."""
+    if not workarounds.in_submitted_job():
+        return
+    workdir = Path.cwd().resolve()
+    places = {"tracking.uri (MLFLOW_TRACKING_URI)": local_store(cfg.tracking.uri, cfg.paths.outputs)}
+    if cfg.stage == "train":
+        places["storage.path"] = cfg.storage.path or cfg.paths.outputs
+    else:
+        places["predict.output"] = cfg.predict.output or cfg.paths.outputs
+    lost = [
+        f"{key} ({path})"
+        for key, path in places.items()
+        if path is not None and not is_s3(path) and Path(path).resolve().is_relative_to(workdir)
+    ]
+    if lost:
+        raise PipelineError(
+            f"this command runs as a Ray job, in a temporary copy of the submitted working directory ({workdir}) "
+            f"that Ray deletes with the job, and {' and '.join(lost)} would be written there: a run nobody finds. "
+            "Log to your team's MLflow server: set MLFLOW_TRACKING_URI in the job's runtime_env "
+            '(ray job submit --runtime-env-json \'{"env_vars": {"MLFLOW_TRACKING_URI": "http://HOST:5000"}}\') or '
+            "tracking.uri, and storage.path to s3://BUCKET/PREFIX or a shared mount; or, where the head node's disk "
+            "outlives the job, set paths.outputs (or each of these) to an absolute path (docs/cluster.md)."
+        )
+
+
+def note_stop_grace() -> None:
+    """In a submitted Ray job, warn when ``ray job stop`` would SIGKILL the driver before it has recorded its
+    run KILLED: the job's supervisor waits ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s unless the job's runtime_env
+    sets it) after SIGTERM, and ending a run (its last records, its checkpoints' models) can take longer."""
+    grace = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
+    if workarounds.in_submitted_job() and grace < STOP_GRACE_S:
+        log.warning(
+            "ray job stop gives this job %g s (RAY_JOB_STOP_WAIT_TIME_S) between SIGTERM and SIGKILL, too little to "
+            "end its run KILLED with its record; submit with --runtime-env-json "
+            '\'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "%d"}}\' (docs/cluster.md).',
+            grace,
+            STOP_GRACE_S,
+        )
+
+
+def local_store(uri: str | None, outputs: str) -> str | None:
+    """The local path an MLflow tracking URI writes to (``None`` for a server or database): unset, the
+    SQLite store in ``outputs``."""
+    if uri is None:
+        return os.path.join(outputs, "mlflow.db")
+    if uri.startswith("sqlite:"):
+        return uri.removeprefix("sqlite:").removeprefix("///")  # sqlite:///relative, sqlite:////absolute
+    if uri.startswith("file:"):
+        return urlsplit(uri).path
+    return None if "://" in uri else uri  # a bare path: MLflow's file store

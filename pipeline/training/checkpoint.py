@@ -1,0 +1,117 @@
+"""The checkpoint format, and how a model's inputs are prepared: what a training worker writes, and what
+logged models, fine-tuning and prediction read back. One module, so the writer and its readers cannot drift;
+it imports nothing of the pipeline but its errors and the config sections it reads (the AMP settings, the
+pixel normalization).
+
+A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
+optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
+read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it,
+and the size ``checkpoint.pt`` was written at (a copy cut short by a stop is not taken for whole).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pyarrow.fs as pafs
+import torch
+
+from pipeline.common.errors import PipelineError
+from pipeline.config import NormalizeConfig, TrainConfig
+
+CHECKPOINT_FILE = "checkpoint.pt"
+REPORT_FILE = "report.json"
+SIZE_KEY = "checkpoint_bytes"  # in the report: what checkpoint.pt holds when its copy is whole
+
+
+def save(state: dict, directory: str, metrics: dict) -> None:
+    """``state`` as ``directory/checkpoint.pt``, and the epoch's ``metrics`` beside it: the record of an epoch
+    whose report never reached the driver (a signal or a crash between the two) survives with its checkpoint."""
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    torch.save(state, path)
+    with open(os.path.join(directory, REPORT_FILE), "w") as out:
+        json.dump({**metrics, SIZE_KEY: os.path.getsize(path)}, out)
+
+
+def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict]]:
+    """(checkpoint path, its epoch's metrics) for every checkpoint in a run's storage ``directory``, oldest
+    epoch first; checkpoints written before reports were kept beside them are left out."""
+    found = []
+    for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
+        report = f"{info.path}/{REPORT_FILE}"
+        if info.type == pafs.FileType.Directory and filesystem.get_file_info(report).is_file:
+            with filesystem.open_input_stream(report) as stream:
+                found.append((info.path, json.loads(stream.read())))
+    return sorted(found, key=lambda item: item[1]["epoch"])
+
+
+def newest(filesystem: pafs.FileSystem, directory: str) -> str | None:
+    """The newest checkpoint in a run's storage ``directory`` whose ``checkpoint.pt`` is there whole: where a
+    resumed run continues when Ray Train never registered it (Ray registers a checkpoint only once it is
+    copied to storage, so a job stopped between the two leaves one that only this finds)."""
+    for path, report in reversed(reports(filesystem, directory)):
+        if filesystem.get_file_info(f"{path}/{CHECKPOINT_FILE}").size == report.get(SIZE_KEY):
+            return path
+    return None
+
+
+def load(path: str, key: str, device: torch.device | str = "cpu") -> dict:
+    """The dict saved at ``path`` (a file, or a checkpoint directory), as tensors and plain values only
+    (nothing pickled runs); a file that is no such thing fails naming ``key``, the setting that named it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, CHECKPOINT_FILE)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as err:
+        raise PipelineError(f"{key}: cannot load {path} as weights ({err}).") from err
+    if not isinstance(state, dict):
+        raise PipelineError(f"{key}: {path} holds no state dict (a mapping of name to tensor).")
+    return state
+
+
+def is_checkpoint(state: dict) -> bool:
+    """Whether ``state`` is a whole pipeline checkpoint (its model's state dict under ``model``) rather than
+    a bare state dict, whose values are tensors."""
+    return isinstance(state.get("model"), dict)
+
+
+def feature_scaler(normalize: NormalizeConfig | None, statistics: dict | None, device: torch.device):
+    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` (``ingest.normalize``)
+    says, float features standardized with ``statistics`` (the training split's, with ``ingest.standardize``)
+    when given; anything else as it is."""
+    pixels = pixel_scaling(normalize, device) if normalize is not None else None
+    if statistics is not None:
+        mean = torch.tensor(statistics["mean"], dtype=torch.float32, device=device)
+        std = torch.tensor(statistics["std"], dtype=torch.float32, device=device)
+
+    def scale(features: torch.Tensor) -> torch.Tensor:
+        if features.dtype == torch.uint8 and pixels is not None:  # in place: one float copy, not three
+            return features.float().mul_(pixels[0]).add_(pixels[1])
+        if statistics is not None and features.is_floating_point():  # a missing value (source.on_missing: mean)
+            return torch.nan_to_num((features - mean) / std, nan=0.0)  # becomes the training mean
+        return features
+
+    return scale
+
+
+def pixel_scaling(normalize: NormalizeConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
+    mean = torch.tensor(normalize.mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    std = torch.tensor(normalize.std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    return 1.0 / (255.0 * std), -mean / std
+
+
+def amp_plan(device_type: str, train: TrainConfig) -> tuple[bool, torch.dtype, bool]:
+    """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
+    float16 needs loss scaling, bfloat16 does not."""
+    enabled = train.amp and device_type == "cuda"
+    dtype = getattr(torch, train.amp_dtype)
+    return enabled, dtype, enabled and dtype == torch.float16
+
+
+def autocast_settings(device: torch.device, train: TrainConfig) -> tuple[torch.autocast, torch.amp.GradScaler]:
+    """The autocast context and GradScaler that :func:`amp_plan` asks for."""
+    enabled, dtype, scale = amp_plan(device.type, train)
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)

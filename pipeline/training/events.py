@@ -1,0 +1,50 @@
+"""What the training workers and Ray Train's controller tell the driver during a run: the events that
+:mod:`pipeline.training.relay` relays, as plain dataclasses. This module imports nothing else: the event queue's
+actor unpickles every event, and importing Ray Train or the pipeline's config there would hold up each
+worker's first event (a queue put waits for the actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerStarted:
+    """Where a rank runs: its process, node, placement group (a Tune sweep's driver releases the group,
+    workarounds.py) and copy of the code. A line of the run's ``workers.jsonl``."""
+
+    rank: int
+    pid: int
+    node_id: str
+    placement_group: str | None
+    code: str
+
+
+@dataclass(frozen=True)
+class StepTaken:
+    """Rank 0's step and batch loss, once a second and every ``tracking.log_every_n_steps`` steps (``log``)."""
+
+    epoch: int
+    step: int  # within the epoch
+    global_step: int
+    log: bool
+    loss: float
+    at: float  # wall-clock time the step ended: the first one ends start-up
+
+
+@dataclass(frozen=True)
+class CheckpointRestored:
+    """Rank 0 loaded a checkpoint (a restarted or resized worker group, or a resumed run): training continues
+    at ``epoch`` on ``workers`` workers."""
+
+    epoch: int
+    workers: int
+
+
+@dataclass(frozen=True)
+class EpochReported:
+    """Every rank's metrics for an epoch, and where Ray Train persisted rank 0's checkpoint."""
+
+    ranks: list[dict]
+    checkpoint: str | None

@@ -1,0 +1,381 @@
+"""Runs in every Ray Train worker process: the DDP training loop, top to bottom.
+
+A worker gets the typed config (:class:`WorkerJob`; no Hydra context exists here), streams its shard
+of each split with ``iter_torch_batches``, trains one DDP replica, all-reduces the validation sums
+so every world size reports the same numbers for the same weights, and reports metrics plus a
+checkpoint once per epoch. What the driver does meanwhile is in :mod:`pipeline.training.trainer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+
+from pipeline.common.metrics import LOSSES
+from pipeline.config import PipelineConfig
+from pipeline.data.source import Layout
+from pipeline.training import checkpoint, finetune
+from pipeline.training.checkpoint import autocast_settings, feature_scaler
+from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
+from pipeline.training.finetune import Initial
+from pipeline.training.task import Task
+from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
+
+PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
+
+
+@dataclass
+class WorkerJob:
+    """What the driver hands every worker (:func:`pipeline.training.trainer.build_trainer`), as Ray Train's
+    ``train_loop_config={"job": WorkerJob(...)}``."""
+
+    cfg: PipelineConfig
+    events: Any  # the ray.util.queue.Queue the driver reads the workers' events from
+    epoch_counter: Any  # the EpochCounter actor the seeded transforms read (pipeline.data.preprocess)
+    statistics: dict | None  # the features' mean and std, with ingest.standardize
+    train_rows: int  # the training split's rows: each worker group splits them among its workers
+    initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
+    saved: ray.train.Checkpoint | None  # the newest whole checkpoint the run's storage held at the start
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One worker's run: set up, restore, then per epoch: batches -> steps -> evaluate -> report."""
+    job: WorkerJob = config["job"]
+    cfg, events, epoch_counter = job.cfg, job.events, job.epoch_counter
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic: this worker group's size
+    steps = steps_per_epoch(job.train_rows, world_size, cfg.ingest.batch_size, cfg.ingest.drop_last)
+    if cfg.scaling.torch_threads:
+        torch.set_num_threads(cfg.scaling.torch_threads)
+    device = ray.train.torch.get_device()
+    events.put(WorkerStarted(**where_this_runs(rank)))
+
+    state = restored_state(device, job.saved)  # a restarted worker group, or a resumed run
+    start, epochs = (state["epoch"] + 1 if state else 0), cfg.train.epochs
+
+    # Ray Data starts reading and decoding the first epoch while the model is built.
+    first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
+    first_batches = prefetched(first)
+    initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
+    replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
+    stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
+    if state is not None:
+        replica.load_state_dict(state)
+        if stopper is not None:
+            stopper.load_state_dict(state.get("early_stop"))
+        if rank == 0:  # the driver counts every restore
+            events.put(CheckpointRestored(start, world_size))
+    progress = events.put if rank == 0 else None
+
+    for epoch in range(start, epochs):
+        batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
+        metrics = train_epoch(replica, batches, cfg, epoch, steps, progress)
+        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
+        metrics |= evaluate(replica, valid)
+        # every rank holds the same all-reduced metrics, so every rank decides alike
+        stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
+        metrics |= {
+            "epoch": epoch,
+            "rank": rank,
+            "weights_sha256": weights_digest(replica.module),
+            **where_this_runs(rank),
+            **({"stopped_early": stopped} if stopped else {}),
+        }
+        report(metrics, replica.state_dict(epoch, stopper) if rank == 0 else None)  # rank 0 saves for all
+        if stopped:
+            break
+
+
+def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
+    """Batches each worker sees per epoch: Ray Train splits a dataset into equal shards."""
+    rows, batch = train_rows // num_workers, global_batch // num_workers
+    return rows // batch if drop_last else -(-rows // batch)
+
+
+def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
+    """The optimizer steps the LR schedule spans: every epoch at the most steps any allowed worker count
+    takes (the global batch stays the same, so they differ by rounding only), the same for every worker
+    group of the run, so a schedule restored from a checkpoint fits the group that restores it."""
+    ingest, scaling = cfg.ingest, cfg.scaling
+    steps = max(steps_per_epoch(train_rows, n, ingest.batch_size, ingest.drop_last) for n in scaling.worker_counts)
+    return cfg.train.epochs * -(-steps // cfg.train.accumulate)
+
+
+@dataclass
+class Replica:
+    """One worker's model (DDP-wrapped) and everything that steps with it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # a torch LR scheduler stepped per batch, or None
+    scaler: torch.amp.GradScaler
+    autocast: torch.autocast
+    task: Task  # the loss and metrics
+    statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
+    scale: Callable[[torch.Tensor], torch.Tensor]  # features as the transforms wrote them -> the model's floats
+    layout: Layout  # which column of a batch is the model's input, which its label
+    grad_clip: float | None  # train.grad_clip
+    on_nonfinite: str  # train.on_nonfinite: raise or skip
+    example: torch.Tensor | None = None  # two training rows' features, unscaled: the logged models' input example
+
+    @classmethod
+    def build(
+        cls,
+        cfg: PipelineConfig,
+        device: torch.device,
+        total_steps: int,
+        statistics: dict | None,
+        initial: Initial | None = None,
+    ) -> Replica:
+        """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
+        with ``train.seed`` (every rank alike)."""
+        torch.manual_seed(cfg.train.seed)
+        bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
+        model = ray.train.torch.prepare_model(bare)
+        optimizer = instantiate(cfg.optim, _partial_=True, _convert_="all")(finetune.param_groups(bare, cfg.finetune))
+        for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
+            group["lr"] *= group["lr_scale"]
+        scheduler = None
+        if cfg.scheduler is not None:
+            schedule = instantiate(cfg.scheduler, _partial_=True, _convert_="all")
+            scheduler = schedule(
+                optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg.scheduler, optimizer)
+            )
+        autocast, scaler = autocast_settings(device, cfg.train)
+        layout, recipe = Layout.of(cfg.source), (cfg.train.grad_clip, cfg.train.on_nonfinite)
+        task, scale = Task(cfg.task), feature_scaler(cfg.ingest.normalize, statistics, device)
+        return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, scale, layout, *recipe)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare model, without DDP's wrapper: for evaluation and checkpoints."""
+        return getattr(self.model, "module", self.model)
+
+    def backward(self, loss: torch.Tensor, accumulate: int, update: bool) -> None:
+        """Add this batch's share of the gradients. DDP all-reduces them in backward; a batch that only
+        accumulates skips that (``no_sync``), so accumulation costs no extra communication."""
+        syncing = update or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        with contextlib.nullcontext() if syncing else self.model.no_sync():
+            self.scaler.scale(loss / accumulate).backward()
+
+    def step(self) -> bool:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``. With
+        ``train.on_nonfinite=skip``, a NaN or inf gradient (after DDP's all-reduce: the same on every rank)
+        is not stepped on (False): that decision costs a device sync per step, so only skip mode makes it;
+        raise mode checks the losses once an epoch (:func:`train_epoch`)."""
+        self.scaler.unscale_(self.optimizer)  # the true gradients (a no-op without float16's GradScaler)
+        skipping = self.on_nonfinite == "skip" and not self.scaler.is_enabled()  # the GradScaler skips overflows
+        norm = None
+        if self.grad_clip is not None or skipping:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        taken = not skipping or bool(torch.isfinite(norm))
+        if taken:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return taken
+
+    def state_dict(self, epoch: int, stopper: EarlyStopping | None = None) -> dict:
+        state = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "epoch": epoch,
+            "feature_statistics": self.statistics,  # predict standardizes features with these
+            "classes": self.layout.classes,  # the class names, index order, where labels are names
+            "input_example": self.example,
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if stopper is not None:
+            state["early_stop"] = stopper.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def train_epoch(
+    replica: Replica, batches: Iterable[dict], cfg: PipelineConfig, epoch: int, steps: int, progress
+) -> dict:
+    """One pass over the worker's training shard (``steps`` batches); its figures over all workers
+    (:class:`pipeline.training.telemetry.EpochTelemetry`). ``progress`` (rank 0) gets the step and batch loss once a
+    second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
+
+    The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
+    fewer batches than ``steps`` (rows skipped by a transform), what they accumulated after the last step
+    is dropped with the next epoch's first ``zero_grad``."""
+    features, labels = replica.layout.model_input, replica.layout.label
+    replica.model.train()
+    replica.optimizer.zero_grad(set_to_none=True)
+    telemetry = EpochTelemetry(next(replica.model.parameters()).device)
+    log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
+    for step, batch in enumerate(telemetry.timed(batches), start=1):
+        if replica.example is None:
+            replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
+        update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
+        with replica.autocast:
+            loss = replica.task.loss(replica.model(replica.scale(batch[features])), batch[labels])
+        replica.backward(loss, accumulate, update)
+        if update:
+            telemetry.skipped += not replica.step()
+        telemetry.batch(step, loss, len(batch[labels]))
+        log = log_every > 0 and step % log_every == 0
+        if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
+            # .item() waits for the step: rarely
+            progress(StepTaken(epoch, step, epoch * steps + step, log, loss.item(), time.time()))
+            last_sent = time.monotonic()
+    if replica.on_nonfinite == "raise" and (batch_number := telemetry.nonfinite_batch()):
+        raise FloatingPointError(
+            f"the loss became NaN or inf at epoch {epoch + 1}, batch {batch_number}: training diverged, "
+            "most often from a learning rate too high for the model (the last step's: "
+            f"{replica.optimizer.param_groups[0]['lr']:g}). Lower optim.lr, clip the gradients with "
+            "train.grad_clip, or skip such steps with train.on_nonfinite=skip."
+        )
+    return telemetry.totals()
+
+
+@torch.no_grad()
+def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
+    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
+    features, labels = replica.layout.model_input, replica.layout.label
+    model, task = replica.module.eval(), replica.task
+    rank0_buffers(model)
+    device = next(model.parameters()).device
+    declared = {"loss": LOSSES["val_loss"], **task.metrics}  # how each sum finishes (pipeline.common.metrics)
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in declared}
+    count = 0
+    for batch in batches:
+        with replica.autocast:
+            outputs = model(replica.scale(batch[features]))
+        rows = len(batch[labels])
+        sums["loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
+        for name, value in task.sums(outputs, batch[labels]).items():
+            sums[name] += value.double()
+        count += rows
+    *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
+    values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
+    return values | {"val_rows": int(count)}
+
+
+def rank0_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, so that validation scores the model rank 0
+    checkpoints: DDP broadcasts them before each training forward, and each rank's own last batch then moves its
+    copy apart (a no-op outside a process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def report(metrics: dict, state: dict | None) -> None:
+    """``ray.train.report`` (a barrier: every rank calls it once per epoch), with ``state`` (rank 0's) as checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = None
+        if state is not None:
+            checkpoint.save(state, tmp, metrics)
+            saved = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=saved)
+
+
+def restored_state(device: torch.device, saved: ray.train.Checkpoint | None) -> dict | None:
+    """The state training continues from, loaded as weights only: the newer of the checkpoint Ray Train
+    restores (a restarted worker group, or a resumed run) and ``saved``, the newest the storage held when
+    the run started, which Ray never registered when a stop came between its copy and its registration."""
+    states, read = [], set()
+    for found in (ray.train.get_checkpoint(), saved):
+        if found is not None and found.path not in read:  # usually both are the same checkpoint
+            read.add(found.path)
+            with found.as_directory() as path:
+                states.append(checkpoint.load(path, "the restored checkpoint", device))
+    return max(states, key=lambda state: state["epoch"], default=None)
+
+
+def train_batches(
+    cfg: PipelineConfig, epoch: int, epoch_counter, device: torch.device, world_size: int
+) -> Iterator[dict]:
+    """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
+    seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
+    ray.get(epoch_counter.set.remote(epoch))
+    shard = ray.train.get_dataset_shard("train")
+    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg.train.seed + epoch)
+
+
+def torch_batches(
+    shard, cfg: PipelineConfig, device: torch.device, world_size: int, training: bool, seed: int | None = None
+) -> Iterator:
+    """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
+    Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
+    validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
+    store and to a GPU): the replica scales them (:func:`pipeline.training.checkpoint.feature_scaler`)."""
+    ingest = cfg.ingest
+    return shard.iter_torch_batches(
+        batch_size=ingest.batch_size // world_size,
+        prefetch_batches=ingest.prefetch_batches,
+        local_shuffle_buffer_size=ingest.local_shuffle_buffer_size if training else None,
+        local_shuffle_seed=seed,
+        drop_last=ingest.drop_last and training,
+        device=device,
+    )
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def where_this_runs(rank: int) -> dict:
+    """This worker's rank, process, node, placement group and copy of the code, for the run's
+    ``workers.jsonl`` and each epoch's report (a Tune sweep's driver releases the group, workarounds.py)."""
+    group = ray.util.get_current_placement_group()
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "placement_group": group.id.hex() if group is not None else None,
+        "code": os.path.dirname(os.path.abspath(__file__)),
+    }
+
+
+def prefetched(batches: Iterable) -> Iterator:
+    """``batches`` with its first item already on its way: a helper thread asks for it now, so Ray Data
+    starts its split coordinator, reads and decodes while the caller builds the model."""
+    iterator = iter(batches)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-batch")
+    end = object()
+    first = pool.submit(next, iterator, end)
+    pool.shutdown(wait=False)
+
+    def chained() -> Iterator:
+        batch = first.result()
+        if batch is not end:
+            yield batch
+            yield from iterator
+
+    return chained()
