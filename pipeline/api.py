@@ -64,6 +64,5 @@ def run_job(cfg: DictConfig, job):
 
     config = typed(cfg)  # each stage gets the typed config: cfg.train.epochs
     cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
-    cluster.note_stop_grace()  # and ray job stop kills its driver 3 s after SIGTERM unless told otherwise
     stage = predict.run if config.stage in ("predict", "evaluate") else training_job.run
     return stage(config, job)

@@ -19,7 +19,7 @@ from pipeline.common.errors import PipelineError, redact
 from pipeline.common.metrics import first_task_metric
 from pipeline.config import S3Config
 from pipeline.runtime import filesystems
-from pipeline.tracking import mlflow_store, spool, tracker
+from pipeline.tracking import mlflow_store, run_config, spool
 from pipeline.tracking.delivery import Delivery
 
 log = logging.getLogger("pipeline.sync")
@@ -30,7 +30,7 @@ def sync(path: str, tracking_uri: str | None) -> str:
     header, _, _ = spool.read(path)
     client, uri = mlflow_store.connect(tracking_uri or header["tracking_uri"], outputs=os.path.dirname(path))
     run_id = header["run_id"]
-    cfg = tracker.logged_config(client, run_id)
+    cfg = run_config.logged_config(client, run_id)
     deliver = Delivery(client, header["experiment_id"], run_id, cfg, first_task_metric(cfg.task.metrics))
     try:
         _, count = spool.replay(path, deliver)
@@ -40,7 +40,8 @@ def sync(path: str, tracking_uri: str | None) -> str:
             f"is marked in {spool.sent_marker(path)}. Run the same command again to send the rest."
         ) from None
     run = client.get_run(run_id)
-    return f"sent {count} record(s) into run {run.info.run_name!r}, now {run.info.status}; {mlflow_store.run_link(uri, run_id)}"
+    link = mlflow_store.run_link(uri, run_id)
+    return f"sent {count} record(s) into run {run.info.run_name!r}, now {run.info.status}; {link}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,11 +205,11 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
 def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches_the_local_run(
     head, project, tracking_server, s3_endpoint, deterministic_run, tmp_path
 ):
-    """Data and checkpoints on S3, the run on the tracking server. ``ray job stop`` during epoch 2 of a job
-    that gives itself 30 s between SIGTERM and SIGKILL (as the pipeline asks a job left with Ray's 3 s to):
-    the run ends KILLED, every epoch its checkpoints hold in MLflow; the same job submitted again with
-    train.resume=true continues that run and ends where an uninterrupted run from local files does. The
-    AWS secret is nowhere: the jobs' logs, the run's params and config, the head's Ray logs."""
+    """Data and checkpoints on S3, the run on the tracking server. ``ray job stop`` during epoch 2, with Ray's
+    defaults (SIGKILL 3 s after SIGTERM): the run is KILLED in MLflow by the time ``ray job stop`` returns;
+    the same job submitted again with train.resume=true continues that run, every epoch its checkpoints
+    hold in MLflow once, and ends where an uninterrupted run from local files does. The AWS secret is
+    nowhere: the jobs' logs, the run's params and config, the head's Ray logs."""
     command = [
         "python",
         "-m",
@@ -227,7 +227,7 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
         "tracking.run_name=long-run",
     ]
     env_vars = {"MLFLOW_TRACKING_URI": tracking_server}  # the credentials: the head's own environment
-    started = submit(head, project, command, {**env_vars, "RAY_JOB_STOP_WAIT_TIME_S": "30"}, "--no-wait")
+    started = submit(head, project, command, env_vars, "--no-wait")
     (job,) = re.findall(r"Job '(raysubmit_\w+)' submitted successfully", started.stdout)
     client, fs = MlflowClient(tracking_server), pafs.S3FileSystem(endpoint_override=s3_endpoint)
     stop = subprocess.Popen(
@@ -253,15 +253,15 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     (run,) = runs_of(client, "stopped")
     assert run.info.status == "KILLED", output[-3000:]
     assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
-    assert "RAY_JOB_STOP_WAIT_TIME_S" not in output  # 30 s given: no warning
+    # stopped during epoch 2 (or right after it); epoch 1's record may still have been in the spool at SIGKILL
     reached = len(client.get_metric_history(run.info.run_id, "train_loss"))
-    assert reached in (1, 2)  # stopped during epoch 2 (or, at worst, right after it)
+    assert reached in (0, 1, 2)
     storage = f"s3://runs/checkpoints/{run.info.run_id}"
     assert run.data.tags["pipeline.storage"] == storage
     with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
         newest = torch.load(stream, weights_only=True)["epoch"]
-    # never behind the record; one ahead when its upload ended as the driver did (resuming logs it)
-    assert newest in (reached - 1, reached)
+    # never behind the record; ahead when the driver was killed before the rest reached MLflow (resuming logs it)
+    assert newest >= reached - 1
 
     # Ray Train records a checkpoint only after its copy to storage: a stop between the two left epoch 1's
     # unrecorded once (a serial suite run), and the resumed job began again at epoch 1. Without Ray's record
@@ -269,9 +269,9 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     # record leaves none to remove: a fresh-clone run at 386fd1c.)
     with contextlib.suppress(FileNotFoundError):
         fs.delete_file(f"{storage.removeprefix('s3://')}/checkpoint_manager_snapshot.json")
-    resumed = submit(head, project, [*command, "train.resume=true"], env_vars)  # Ray's 3 s: the job warns
+    resumed = submit(head, project, [*command, "train.resume=true"], env_vars)
     output += resumed.stdout + resumed.stderr
-    assert "succeeded" in resumed.stdout and "RAY_JOB_STOP_WAIT_TIME_S" in resumed.stdout, output[-3000:]
+    assert "succeeded" in resumed.stdout, output[-3000:]
     (run,) = runs_of(client, "stopped")  # the same MLflow run, not a new one
     assert run.data.tags["pipeline.storage"] == storage and run.info.status == "FINISHED"
     for key in ("train_loss", "val_loss", "val_accuracy"):  # each epoch once

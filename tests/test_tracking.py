@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from conftest import capture_warnings, compose_cfg
 from mlflow import MlflowClient
@@ -10,7 +12,8 @@ from mlflow.exceptions import MlflowException, RestException
 from pipeline.jobs.build import Job
 from pipeline.tracking import mlflow_store, spool
 from pipeline.tracking.delivery import metrics_record
-from pipeline.tracking.tracker import Tracker, logged_config
+from pipeline.tracking.run_config import logged_config
+from pipeline.tracking.tracker import Tracker
 
 
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
@@ -101,7 +104,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
         saved.mkdir(parents=True)
         nan = {"val_loss": float("nan")} if epoch == 2 else {}
         checkpoint.save({"epoch": epoch}, str(saved), {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan})
-    tracker.log_epoch({**figures, "epoch": 0})
+    tracker.epochs.log_epoch({**figures, "epoch": 0})
     with pytest.raises(SystemExit), tracker:  # ends the run: KILLED here, as on SIGTERM
         raise SystemExit(143)
     assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "val_accuracy")] == [
@@ -112,13 +115,13 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
 
     resumed = Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
     resumed.set_storage(storage)
-    resumed.reconcile()  # nothing new: every saved epoch is logged
-    resumed.log_restore(1)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
-    resumed.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
-    resumed.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})
+    resumed.epochs.reconcile(storage)  # nothing new: every saved epoch is logged
+    resumed.epochs.log_restore(1)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
+    resumed.epochs.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
+    resumed.epochs.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})
     history = client.get_metric_history(tracker.run_id, "val_accuracy")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 1.2), (2, 0.95)]
-    assert resumed.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
+    assert resumed.epochs.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
         "epoch": 2
     }
 
@@ -188,15 +191,15 @@ def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_st
     """Delivery stops at a record the store refuses, so the end record is never sent: the run is ended
     directly, FAILED with the refusal when it had finished; a run that was already failing ends with its own
     error, which is raised, the refusal logged beside it."""
-    capture_warnings(caplog, monkeypatch, "pipeline.tracking.tracker")
+    capture_warnings(caplog, monkeypatch, "pipeline.tracking.record")
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
     tracker = Tracker.start(
         mlflow_store.Store(client, client.tracking_uri, "e", experiment), cfg, Job(str(tmp_path), "e"), None, None
     )
-    tracker.spool_to(str(tmp_path))
-    tracker.write(metrics_record({"no such metric?!": 1.0}, 0))  # MLflow refuses the name
+    tracker.record.spool_to(str(tmp_path))
+    tracker.record.write(metrics_record({"no such metric?!": 1.0}, 0))  # MLflow refuses the name
     expected = RuntimeError("the run's own error") if failing else MlflowException
     with pytest.raises(type(expected) if failing else MlflowException) as raised, tracker:
         if failing:
@@ -208,3 +211,27 @@ def test_a_record_the_store_refuses_ends_the_run_and_a_failing_runs_own_error_st
         assert "the MLflow store refused a record of run" in caplog.text
     else:
         assert "no such metric" in run.data.tags[mlflow_store.ERROR_TAG]
+
+
+def test_a_stop_is_in_mlflow_before_the_spools_backlog(tmp_path):
+    """SIGTERM (``ray job stop``, which SIGKILLs 3 s later by default) ends the run KILLED straight away,
+    ahead of records the spool has not sent yet: a slow server cannot leave the run RUNNING."""
+    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false", "tracking.server_wait_s=1"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
+    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
+    deliver, release = tracker.record.delivery, threading.Event()
+    tracker.record.delivery = lambda record: (release.wait(), deliver(record))  # a server that does not answer yet
+    tracker.record.spool_to(str(tmp_path))
+    for epoch in range(3):
+        figures = {"train_loss": 1.0 / (epoch + 1), "val_loss": 1.0, "val_accuracy": 0.5}
+        tracker.record.write(metrics_record(figures, epoch))
+    with pytest.raises(SystemExit), tracker:
+        raise SystemExit(143)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "KILLED" and run.data.metrics == {}  # the end first; none of the backlog yet
+    release.set()  # the server answers: the backlog follows, into the ended run
+    assert tracker.record.spool.flush(30)
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "train_loss")] == [0, 1, 2]
+    assert client.get_run(tracker.run_id).info.status == "KILLED"

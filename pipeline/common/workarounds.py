@@ -45,6 +45,20 @@ def global_tracking_uri(uri: str):
         mlflow.set_tracking_uri(before)  # None unsets the variable
 
 
+def system_metrics_monitor(run_id: str, interval_s: float, resume: bool, tracking_uri: str):
+    """MLflow's system metrics (CPU, memory, disk, network, GPU) for a run the client API made, started.
+
+    MLflow 3.17: the public switch (``mlflow.enable_system_metrics_logging``) covers only a run begun with
+    ``mlflow.start_run``, the fluent API's one active run per process; the pipeline's runs are the client
+    API's (created, resumed and ended by id, from the driver's threads). Its monitor class is internal
+    (``mlflow.system_metrics``), so its use lives here, pinned by a canary in tests/test_ray_canaries.py."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, interval_s, resume_logging=resume, tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
 def import_mlflow_pytorch():
     """``mlflow.pytorch``, imported without its side effect on logging.
 

@@ -83,11 +83,11 @@ class CachePlan:
     estimate_bytes: int  # every split's cached stage, from the first rows of its first file
     capacity_bytes: int  # ingest.cache_share of the object store
     row_bytes: dict[str, float] = field(default_factory=dict)  # split -> estimated bytes a cached row takes
-    built: dict[str, TransformSpec] = field(default_factory=dict)  # split -> rows, bytes, seconds (cache.Cache.built)
     one_pass: bool = False  # auto with one epoch: each row is read once, so there is nothing to keep
 
-    def summary(self) -> str:
-        """One line for the console and the run's ``pipeline.data.cache`` tag."""
+    def summary(self, built: dict[str, dict] | None = None) -> str:
+        """One line for the console and the run's ``pipeline.cache`` tag; ``built``: what each cached split
+        holds once built (rows, bytes, seconds: :meth:`pipeline.data.cache.Cache.built`)."""
         share = f"{self.estimate_bytes / 2**20:,.0f} MiB estimated, {self.capacity_bytes / 2**20:,.0f} MiB allowed"
         if not self.on and not self.row_bytes:
             return "not cached (ingest.cache=false): every step runs every epoch"
@@ -96,8 +96,8 @@ class CachePlan:
         if not self.on:
             return f"not cached, every step runs every epoch ({share}: ingest.cache, ingest.cache_share)"
         parts = [
-            f"{name} {built['rows']:,} rows, {built['bytes'] / 2**20:,.1f} MiB in {built['seconds']:.1f} s"
-            for name, built in self.built.items()
+            f"{name} {split['rows']:,} rows, {split['bytes'] / 2**20:,.1f} MiB in {split['seconds']:.1f} s"
+            for name, split in (built or {}).items()
         ]
         return f"cached in Ray's object store: {'; '.join(parts) or 'building'} ({share})"
 

@@ -8,6 +8,7 @@ both build theirs with these functions.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -34,10 +35,9 @@ class Job:
     @classmethod
     def in_sweep(cls, sweep_dir: str, number: int, experiment: str, overrides: list[str]) -> Job:
         """Job ``number`` of a Hydra multirun, in ``<sweep_dir>/<number>``, its run named for its overrides."""
-        shown = " ".join(o for o in overrides if o != f"+experiment={experiment}")
         sweep_dir = os.path.abspath(sweep_dir)
-        run_name = f"job {number}: {shown}".strip()
-        return cls(os.path.join(sweep_dir, str(number)), experiment, overrides, sweep_dir, run_name)
+        name = run_name("job", number, experiment, overrides)
+        return cls(os.path.join(sweep_dir, str(number)), experiment, overrides, sweep_dir, name)
 
 
 @dataclass
@@ -47,6 +47,20 @@ class JobResult:
     run_id: str  # the job's MLflow run
     metrics: dict[str, float]  # a training run's last epoch; a prediction's scores
     model_uri: str | None = None  # a training run's best LoggedModel (``models:/ID``), when tracking.log_model
+
+
+def run_name(kind: str, number: int, experiment: str, overrides: list[str]) -> str:
+    """A sweep's child run's name, its kind and number, then its overrides less the experiment's:
+    ``job 3: optim.lr=0.001``, ``trial 2: model=mlp optim.lr=0.0012``."""
+    shown = " ".join(o for o in overrides if o != f"+experiment={experiment}")
+    return f"{kind} {number}: {shown}".strip()
+
+
+def append_record(directory: str, name: str, record: dict) -> None:
+    """One JSON line appended to ``directory/name``: a job's records beside its outputs (``metrics.jsonl``,
+    each epoch's report; ``workers.jsonl``, where each worker ran)."""
+    with open(os.path.join(directory, name), "a") as out:
+        out.write(json.dumps(record, default=str) + "\n")
 
 
 def sources(cfg: PipelineConfig) -> dict[str, source.Split]:

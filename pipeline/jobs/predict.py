@@ -43,7 +43,7 @@ from pipeline.data import preprocess, source, steps
 from pipeline.jobs.build import JobResult
 from pipeline.runtime import cluster
 from pipeline.runtime.filesystems import locate
-from pipeline.tracking import delivery, lineage, mlflow_store, models, scores, tracker
+from pipeline.tracking import delivery, lineage, mlflow_store, models, run_config, scores, tracker
 from pipeline.training.checkpoint import autocast_settings, feature_scaler, is_checkpoint
 from pipeline.training.checkpoint import load as load_state
 from pipeline.training.task import Task, prediction_metrics
@@ -246,7 +246,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
                 "to take a trained run from; train first, or give predict.checkpoint=PATH."
             )
         model_run = trained_run(client, store.experiment_id, predict.run)
-    trained_cfg = tracker.logged_config(client, model_run.info.run_id) if model_run else cfg
+    trained_cfg = run_config.logged_config(client, model_run.info.run_id) if model_run else cfg
     model_cfg, task_cfg = trained_cfg.model, trained_cfg.task
     weights, statistics = load_weights(client, model_run, predict.checkpoint, predict.run)
     classes = trained_cfg.source.classes  # the model's classes, by name where labels were names

@@ -21,7 +21,7 @@ from pipeline.common import console
 from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import lower_is_better
 from pipeline.config import experiment_choice, load
-from pipeline.tracking import mlflow_store, models, tracker
+from pipeline.tracking import epochs, mlflow_store, models, tracker
 
 log = logging.getLogger("pipeline")
 
@@ -56,7 +56,7 @@ def summarize(client, experiment_id: str, parent: str, metric: str, better: int)
             "run_id": child.info.run_id,
             "name": child.info.run_name,
             # a trial a Tune scheduler stopped early ended FINISHED: its table row says STOPPED
-            "status": "STOPPED" if tracker.STOPPED_TAG in child.data.tags else child.info.status,
+            "status": "STOPPED" if epochs.STOPPED_TAG in child.data.tags else child.info.status,
             "value": child.data.metrics.get(metric, math.nan),
             "overrides": child.data.tags.get(mlflow_store.OVERRIDES_TAG, ""),
             "error": child.data.tags.get(mlflow_store.ERROR_TAG, ""),

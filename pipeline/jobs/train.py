@@ -8,8 +8,6 @@ records them as a FAILED child run, so the sweep shows every job it tried.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import threading
@@ -24,11 +22,11 @@ from pipeline.common.errors import PipelineError, redact
 from pipeline.config import PipelineConfig
 from pipeline.data import preprocess, source
 from pipeline.jobs import predict, preflight
-from pipeline.jobs.build import Job, JobResult
+from pipeline.jobs.build import Job, JobResult, append_record
 from pipeline.runtime import filesystems, lifeline
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.tracker import Tracker
-from pipeline.training import relay, task, trainer
+from pipeline.training import task, trainer
 from pipeline.training.events import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 
 log = logging.getLogger(__name__)
@@ -53,33 +51,27 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
         os.makedirs(job.run_dir, exist_ok=True)
         tracker = Tracker.open(cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
-        with resume_hint(tracker), tracker:  # the run ends FINISHED, or FAILED / KILLED with the error
+        with tracker, resume_hint(tracker):  # the run ends FINISHED, or FAILED / KILLED with the error
             tracker.log_data(splits, data.statistics)
             if initial is not None:
                 log.info("finetune: %s", initial.summary())
                 tracker.log_start_weights(initial)
             reporter = report_cache(data, tracker)
-            tracker.expected_rows = functools.partial(expected_rows, data.rows, drop_last=cfg.ingest.drop_last)
+            tracker.epochs.expect_rows(data.rows, cfg.ingest.drop_last)
             storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
             tracker.set_storage(storage)
-            tracker.spool_to(job.run_dir)  # from here on, training never waits on the tracking server
-            tracker.reconcile()  # a resumed run: the epoch an interrupted attempt saved but did not log
+            tracker.record.spool_to(job.run_dir)  # from here on, training never waits on the tracking server
+            tracker.epochs.reconcile(storage)  # a resumed run: the epoch an interrupted attempt saved but did not log
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
             progress = console.Progress(cfg.train.epochs, steps, wait_limit)
             with lifeline.watched(lambda what: ray_lost(tracker, what)):
                 result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
-            if tracker.last is None:
+            if tracker.epochs.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's
-            tracker.finish_models(
-                workarounds.kept_checkpoints(result),
-                cfg.train.checkpoint_metric,  # the best by it, or else the last
-                trainer.checkpoint_mode(cfg.train, cfg.task),
-                cfg.tracking.register_as,
-                alias,
-            )
-            verdict = task.no_learning(kind, names, tracker.last, baseline)
+            tracker.finish_models(workarounds.kept_checkpoints(result), alias)
+            verdict = task.no_learning(kind, names, tracker.epochs.last, baseline)
             if verdict is not None:  # the run still finishes: its curves and model say what went wrong
                 log.warning("%s", verdict)
                 tracker.flag_no_learning(verdict)
@@ -87,8 +79,9 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
         scoring = replace(cfg.predict, run=tracker.run_id)
         predict.run(replace(cfg, stage="evaluate", predict=scoring, tracking=replace(cfg.tracking, run_name=None)), job)
     metric = cfg.optimized_metric
-    log.info("finished: %s %.4f; %s", metric, tracker.last[metric], mlflow_store.run_link(tracker.uri, tracker.run_id))
-    return JobResult(tracker.run_id, {k: tracker.last[k] for k in tracker.metrics}, tracker.model_uri())
+    last = tracker.epochs.last
+    log.info("finished: %s %.4f; %s", metric, last[metric], mlflow_store.run_link(tracker.uri, tracker.run_id))
+    return JobResult(tracker.run_id, {k: last[k] for k in tracker.epochs.metrics}, tracker.model_uri())
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:
@@ -98,11 +91,12 @@ def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.T
 
     def wait_and_report() -> None:
         try:
-            data.plan.built = {name: cache.built() for name, cache in data.caches.items()}
+            built = {name: cache.built() for name, cache in data.caches.items()}
         except RayError:
             return
-        log.info("ingest: %s", data.plan.summary())
-        tracker.log_cache(data.plan)
+        summary = data.plan.summary(built)
+        log.info("ingest: %s", summary)
+        tracker.log_cache(summary, built)
 
     thread = threading.Thread(target=wait_and_report, name="cache-report", daemon=True)
     thread.start()
@@ -117,7 +111,7 @@ def resume_hint(tracker: Tracker) -> Iterator[None]:
     except (KeyboardInterrupt, SystemExit):
         name = tracker.name
         log.warning(
-            "interrupted: MLflow run %r ended KILLED; its checkpoints stay. Continue it with the same "
+            "interrupted: MLflow run %r ends KILLED; its checkpoints stay. Continue it with the same "
             "command plus: train.resume=true tracking.run_name=%s",
             name,
             name,
@@ -137,17 +131,6 @@ def ray_lost(tracker: Tracker, what: str) -> None:
     log.error("%s", err)
 
 
-def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> dict[str, int]:
-    """Rows an epoch on ``num_workers`` workers must deliver, by metric, beyond what sharding drops by design:
-    Ray Train's equal split drops up to N-1 rows per split, and ``drop_last`` the partial training batches
-    (then only validation is counted). Fewer means a transform skipped rows."""
-    dropped = num_workers - 1
-    expected = {"val_rows": rows["valid"] - dropped}
-    if not drop_last:
-        expected["train_rows"] = rows["train"] - dropped
-    return expected
-
-
 class JobEvents:
     """What a training job's driver does with each worker event (an :class:`pipeline.training.relay.EventHandler`)."""
 
@@ -155,27 +138,23 @@ class JobEvents:
         self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
 
     def step_taken(self, event: StepTaken) -> None:
-        self.tracker.log_startup(event.at, event.epoch)
+        self.tracker.epochs.log_startup(event.at, event.epoch)
         if event.log:
-            self.tracker.log_step_loss(event.loss, event.global_step)
+            self.tracker.epochs.log_step_loss(event.loss, event.global_step)
         self.progress.update(event.epoch, event.step, event.loss)
 
     def worker_started(self, event: WorkerStarted) -> None:
-        self.append("workers.jsonl", asdict(event))
+        append_record(self.run_dir, "workers.jsonl", asdict(event))
 
     def epoch_reported(self, event: EpochReported) -> None:
-        ranks = relay.checked_ranks(event)
-        self.append("metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": ranks})
-        self.tracker.log_epoch(ranks[0], event.checkpoint)
-        self.progress.epoch_done(ranks[0])
+        """A report whose ranks :mod:`pipeline.training.relay` checked to agree, rank 0's first."""
+        append_record(self.run_dir, "metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": event.ranks})
+        self.tracker.epochs.log_epoch(event.ranks[0], event.checkpoint)
+        self.progress.epoch_done(event.ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:
-        self.tracker.log_restore(event.epoch)
+        self.tracker.epochs.log_restore(event.epoch)
         self.progress.restored(event.epoch, event.workers)
-
-    def append(self, name: str, record: dict) -> None:
-        with open(os.path.join(self.run_dir, name), "a") as out:
-            out.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self.progress.close()

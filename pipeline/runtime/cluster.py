@@ -16,7 +16,6 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -24,12 +23,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.common import workarounds
 from pipeline.common.errors import PipelineError
 from pipeline.config import PipelineConfig, RayConfig, ScalingConfig
-from pipeline.runtime.filesystems import is_s3
+from pipeline.runtime.filesystems import is_s3, local_store
 
 log = logging.getLogger(__name__)
 NODE_CHECK_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0
-STOP_GRACE_S = 30  # what a submitted job asks ray job stop to wait between SIGTERM and SIGKILL
 
 
 def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
@@ -261,30 +259,3 @@ def check_outlives_job(cfg: PipelineConfig) -> None:
             "tracking.uri, and storage.path to s3://BUCKET/PREFIX or a shared mount; or, where the head node's disk "
             "outlives the job, set paths.outputs (or each of these) to an absolute path (docs/cluster.md)."
         )
-
-
-def note_stop_grace() -> None:
-    """In a submitted Ray job, warn when ``ray job stop`` would SIGKILL the driver before it has recorded its
-    run KILLED: the job's supervisor waits ``RAY_JOB_STOP_WAIT_TIME_S`` (3 s unless the job's runtime_env
-    sets it) after SIGTERM, and ending a run (its last records, its checkpoints' models) can take longer."""
-    grace = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
-    if workarounds.in_submitted_job() and grace < STOP_GRACE_S:
-        log.warning(
-            "ray job stop gives this job %g s (RAY_JOB_STOP_WAIT_TIME_S) between SIGTERM and SIGKILL, too little to "
-            "end its run KILLED with its record; submit with --runtime-env-json "
-            '\'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "%d"}}\' (docs/cluster.md).',
-            grace,
-            STOP_GRACE_S,
-        )
-
-
-def local_store(uri: str | None, outputs: str) -> str | None:
-    """The local path an MLflow tracking URI writes to (``None`` for a server or database): unset, the
-    SQLite store in ``outputs``."""
-    if uri is None:
-        return os.path.join(outputs, "mlflow.db")
-    if uri.startswith("sqlite:"):
-        return uri.removeprefix("sqlite:").removeprefix("///")  # sqlite:///relative, sqlite:////absolute
-    if uri.startswith("file:"):
-        return urlsplit(uri).path
-    return None if "://" in uri else uri  # a bare path: MLflow's file store

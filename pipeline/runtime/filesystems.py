@@ -17,6 +17,8 @@ import pyarrow.fs as pafs
 from pipeline.common.errors import PipelineError
 from pipeline.config import S3Config, StorageConfig
 
+DEFAULT_STORE = "mlflow.db"  # tracking.uri unset: an SQLite store in paths.outputs
+
 # AWS error codes in pyarrow's messages, and what the user should do about each.
 S3_HINTS = {
     "curlCode: 28": "the endpoint did not answer in time (source.s3.request_timeout_s)",
@@ -112,3 +114,15 @@ def run_storage(storage: StorageConfig, run_dir: str, run_id: str, resume_from: 
         parent, name = (storage.path or os.path.join(run_dir, "checkpoints")).rstrip("/"), run_id
     fs, path = locate(parent, storage.s3, "storage.path")
     return RunStorage(path, name, fs, f"{parent if is_s3(parent) else path}/{name}")
+
+
+def local_store(uri: str | None, outputs: str) -> str | None:
+    """The local path an MLflow tracking URI writes to (``None`` for a server or database): unset, the
+    SQLite store in ``outputs``."""
+    if uri is None:
+        return os.path.join(outputs, DEFAULT_STORE)
+    if uri.startswith("sqlite:"):
+        return uri.removeprefix("sqlite:").removeprefix("///")  # sqlite:///relative, sqlite:////absolute
+    if uri.startswith("file:"):
+        return urlsplit(uri).path
+    return None if "://" in uri else uri  # a bare path: MLflow's file store

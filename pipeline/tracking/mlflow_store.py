@@ -22,6 +22,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 
 from pipeline.common.errors import PipelineError, redact
 from pipeline.config import TrackingConfig
+from pipeline.runtime.filesystems import local_store
 
 CODE_DIR = str(Path(__file__).resolve().parent)
 SERVER_TIMEOUT_S = 5.0
@@ -34,7 +35,7 @@ STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 
 def resolve_uri(uri: str | None, outputs: str) -> str:
     """``tracking.uri`` (MLFLOW_TRACKING_URI feeds it), else an SQLite store in the outputs directory."""
-    return uri or f"sqlite:///{Path(outputs).resolve() / 'mlflow.db'}"
+    return uri or f"sqlite:///{Path(local_store(None, outputs)).resolve()}"
 
 
 def connect(uri: str | None, outputs: str) -> tuple[MlflowClient, str]:

@@ -1,7 +1,7 @@
 """Runs on the driver while ``fit()`` runs: the workers' events, taken off a Ray queue by a helper
-thread and handed to an :class:`EventHandler`: a job's (:class:`pipeline.jobs.train.JobEvents`: progress to the
-console, each epoch's report, checked across ranks, to the tracker and ``metrics.jsonl``, restores to both)
-or a Tune trial's (:class:`pipeline.jobs.trial.TrialEvents`). This module never sees MLflow: Ray Train's
+thread, each report's ranks checked to agree, and handed to a job's :class:`EventHandler`
+(:class:`pipeline.jobs.train.JobEvents`: progress to the console, each epoch's report to the tracker and
+``metrics.jsonl``, restores to both); a Tune trial has none. This module never sees MLflow: Ray Train's
 controller unpickles :class:`ReportRelay` from it, and MLflow's imports would delay every run's start.
 
 The events are the dataclasses of :mod:`pipeline.training.events`: ``WorkerStarted``, ``StepTaken`` and
@@ -81,17 +81,25 @@ def check_ranks_agree(ranks: list[dict]) -> None:
 
 
 @contextmanager
-def relayed(events: Queue, handler: EventHandler):
-    """A driver thread hands every event to ``handler`` while the body runs; then the queue is
-    drained and whatever a handler raised is raised here."""
+def relayed(events: Queue, handler: EventHandler | None):
+    """A driver thread checks each report's ranks (:func:`checked_ranks`: a disagreement fails the run) and
+    hands every event to ``handler``, if any, while the body runs; then the queue is drained and whatever
+    a check or the handler raised is raised here. A Tune trial has no handler: its reports reach the
+    sweep's driver through Tune."""
     stop, errors = threading.Event(), []
 
-    dispatch = {
-        WorkerStarted: handler.worker_started,
-        StepTaken: handler.step_taken,
-        EpochReported: handler.epoch_reported,
-        CheckpointRestored: handler.checkpoint_restored,
-    }
+    def dispatch(event) -> None:
+        if isinstance(event, EpochReported):
+            event = EpochReported(checked_ranks(event), event.checkpoint)
+        if handler is None:
+            return
+        handle = {
+            WorkerStarted: handler.worker_started,
+            StepTaken: handler.step_taken,
+            EpochReported: handler.epoch_reported,
+            CheckpointRestored: handler.checkpoint_restored,
+        }[type(event)]
+        handle(event)
 
     def relay() -> None:
         while True:
@@ -104,10 +112,11 @@ def relayed(events: Queue, handler: EventHandler):
             if event is None:  # the end of the run
                 break
             try:
-                dispatch[type(event)](event)
+                dispatch(event)
             except BaseException as err:  # raised on the main thread once fit() returns
                 errors.append(err)
-        handler.close()
+        if handler is not None:
+            handler.close()
 
     thread = threading.Thread(target=relay, name="event-relay", daemon=True)
     thread.start()

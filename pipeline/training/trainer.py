@@ -118,12 +118,12 @@ def fit(
     cfg: PipelineConfig,
     data: TrainingData,
     storage: RunStorage,
-    handler: EventHandler,
+    handler: EventHandler | None,
     initial: Initial | None = None,
     callbacks: tuple = (),
 ) -> ray.train.Result:
     """Train to the end, handing every worker event to ``handler`` (:class:`pipeline.jobs.train.JobEvents` for
-    a job; a Tune trial's own, see ``trial.py``); a worker or controller failure becomes one PipelineError
+    a job; none for a Tune trial, whose reports reach Tune); a worker or controller failure becomes one PipelineError
     naming its cause. ``initial``: the weights training starts from (None: random ones). ``callbacks``:
     more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
     events = Queue(actor_options={"num_cpus": 0})
