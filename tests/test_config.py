@@ -130,8 +130,17 @@ def test_mlflow_uri_comes_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("override", ["train.epochs=many", "scaling.use_gpu=maybe", "ingest.batch_size=1.5"])
 def test_wrong_type_is_rejected_at_composition(override):
+    """The command line's check names the key and the type (Hydra's own would be a traceback)."""
     with pytest.raises(PipelineError, match=f"{override.split('=')[0]}: expected"):
         compose_cfg([override])
+
+
+def test_a_choice_outside_its_values_in_an_experiment_file_fails_naming_them(tmp_path):
+    """Choice settings are Enum fields: a file Hydra composes gets the valid values from Hydra itself."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\ntrain:\n  on_nonfinite: ignore\n")
+    with pytest.raises(ConfigCompositionException, match=r"expected one of \[raise, skip\]"):
+        compose_cfg([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=typo"])
 
 
 def test_unknown_key_in_an_experiment_file_is_rejected(tmp_path):
@@ -169,11 +178,12 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         ),
         (["train.epochs=0"], r"train.epochs must be >= 1"),
         (["source.limit=0"], r"source.limit must be >= 1"),
-        (["train.amp_dtype=float8"], r"train.amp_dtype"),
+        (["train.amp_dtype=float8"], r"train.amp_dtype: expected one of bfloat16, float16, got 'float8'"),
         (["train.accumulate=0"], r"train.accumulate must be >= 1, got 0"),
         (["train.grad_clip=0"], r"train.grad_clip must be > 0 or null"),
-        (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be raise or skip, got 'ignore'"),
-        (["source.on_missing=zero"], r"source.on_missing must be raise, drop or mean, got 'zero'"),
+        (["train.on_nonfinite=ignore"], r"train.on_nonfinite: expected one of raise, skip, got 'ignore'"),
+        (["source.on_missing=zero"], r"source.on_missing: expected one of raise, drop, mean, got 'zero'"),
+        (["stage=predcit"], r"stage: expected one of train, predict, evaluate, got 'predcit'"),
         (["source.on_missing=mean"], r"source.on_missing=mean fills in the training mean that ingest.standardize"),
         (["train.early_stop.patience=0"], r"train.early_stop.patience must be >= 1 or null"),
         (["train.early_stop.metric=val_mae"], r"train.early_stop.metric must be null or one of train_loss, val_loss"),

@@ -416,3 +416,31 @@ def test_missing_column_fails_naming_file_and_column(tmp_path):
     assert "has no column 'label' (it has image)" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert no_runs_logged(tmp_path)
+
+
+@pytest.mark.slow
+def test_pipeline_train_from_python_returns_the_run_its_metrics_and_its_model(tmp_path, data_root, monkeypatch):
+    """The notebook's way in: ``pipeline.train`` runs the job as the command line does, in this process, and
+    hands back the MLflow run, its last epoch's metrics and its best model, which MLflow alone loads."""
+    import mlflow.pytorch
+
+    import pipeline
+
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # a notebook's store: the run's, and where MLflow loads from
+    result = pipeline.train("smoke", [f"paths.outputs={tmp_path}", "train.epochs=1", "scaling.num_workers=1"])
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert (
+        run.info.status == "FINISHED" and run.info.experiment_id == client.get_experiment_by_name("smoke").experiment_id
+    )
+    assert {k: run.data.metrics[k] for k in ("train_loss", "val_loss", "val_accuracy")} == {
+        k: result.metrics[k] for k in ("train_loss", "val_loss", "val_accuracy")
+    }
+    assert run.data.params["train.epochs"] == "1" and "train.epochs=1" in run.data.tags["pipeline.overrides"]
+    assert result.model_uri == f"models:/{run.data.tags['pipeline.model_id']}"
+    model = mlflow.pytorch.load_model(result.model_uri, map_location="cpu")
+    assert model(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)).shape == (2, 10)
+    with pytest.raises(PipelineError, match="train.epoch=1: train has no key 'epoch'"):
+        pipeline.train("smoke", ["train.epoch=1"])

@@ -337,3 +337,22 @@ def test_a_tasks_yields_leave_it_merged_into_large_blocks_and_a_fused_select_col
     if how.endswith("select_columns"):
         ds = ds.select_columns(["pixels"])
     assert ds.materialize().num_blocks() == blocks
+
+
+def test_mlflows_system_metrics_monitor_logs_into_a_run_the_client_api_made(tmp_path):
+    """MLflow 3.17's internal monitor (what :func:`system_metrics_monitor` starts) samples this node into a
+    run created by id, under ``system/``. When MLflow moves or changes it, this fails first."""
+    import time
+
+    from mlflow import MlflowClient
+
+    from pipeline.common.workarounds import system_metrics_monitor
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    monitor = system_metrics_monitor(run_id, 0.2, False, uri)
+    time.sleep(1.5)
+    monitor.finish()
+    logged = client.get_run(run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in logged and "system/system_memory_usage_megabytes" in logged

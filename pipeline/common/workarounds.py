@@ -11,17 +11,18 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psutil
-import ray
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from pipeline.common.errors import PipelineError
 
-if TYPE_CHECKING:  # not at run time: Ray Data's tasks and the command's start import this module, and Ray Train's
-    import ray.data  # and torch's imports take seconds
+if TYPE_CHECKING:  # not at run time: Hydra's plugins import this module for every command, before it composes
+    import ray  # the config, and Ray Data's tasks import it too; Ray's, Ray Train's and torch's imports take seconds
+    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -147,6 +148,8 @@ def refused_token(err: BaseException) -> bool:
     Ray 2.60 raises a ConnectionError whose cause, a RuntimeError, holds the AuthenticationError only as
     the text of a traceback (after about 20 connection attempts). Canary: ``tests/test_jobs.py``, joining a
     token cluster without RAY_AUTH_MODE=token."""
+    import ray
+
     while err is not None:
         if isinstance(err, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(err):
             return True
@@ -165,6 +168,8 @@ def end_agents_at_exit() -> None:
     take the raylet's end for a crash and report it to the GCS, which has ended too, and wait out that
     report's 60 s timeout: orphans of a command that has exited. This records them now; at exit, after
     shutting Ray down first, it ends those still running."""
+    import ray
+
     agents = [p for p in psutil.Process().children(recursive=True) if process_title(p).startswith(RAYLET_AGENTS)]
 
     def end() -> None:
@@ -221,6 +226,8 @@ def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
     installs none: Ctrl-C and SIGTERM reach the pipeline as KeyboardInterrupt / SystemExit, the run
     is recorded as KILLED, and leaving the process takes the run's actors with it.
     """
+    import ray
+
     outcome: dict[str, Any] = {}
 
     def target() -> None:
@@ -288,6 +295,9 @@ def release_placement_group(group_id: str) -> None:
     API, which needs the dashboard; without one (a local runtime) the group holds its CPUs until the
     sweep's process exits, and later trials wait for them forever.
     """
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
     group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
     if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
         remove_placement_group(group)
@@ -303,3 +313,30 @@ def kept_checkpoints(result: ray.train.Result) -> set[str]:
     if result.checkpoint is not None:
         kept.add(result.checkpoint.path)
     return kept
+
+
+CONNECT_TIMEOUT_S = 5.0  # how long check_reachable waits for a cluster's address to answer
+
+
+def check_reachable(address: str, unreachable: Callable[[str, Exception], Exception]) -> None:
+    """Fail within seconds, with ``unreachable(address, err)``, when nothing listens at ``HOST:PORT`` (or
+    ``ray://HOST:PORT``): Ray 2.60's ``ray.init`` retries an unreachable address for about a minute
+    before it gives up. Pinned by the test of an unreachable ``ray.address`` (tests/test_pipeline.py)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise unreachable(address, err) from err
+
+
+def hydra_basic_plugins() -> tuple[type, type]:
+    """Hydra's basic launcher and sweeper, which the pipeline's own extend (``pipeline/plugins``).
+
+    Hydra 1.3.2 exports them only from ``hydra._internal.core_plugins``; a launcher that keeps its basic
+    behaviour must subclass them there. Imported when Hydra loads the plugins, for every command."""
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    return BasicLauncher, BasicSweeper

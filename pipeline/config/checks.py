@@ -170,10 +170,6 @@ def check_targets(cfg: PipelineConfig) -> None:
 
 def check_task(task: TaskConfig, source: SourceConfig) -> None:
     """The task type and its metrics, the label's class count, and the feature column's form."""
-    _require(
-        task.type in TASK_CHOICES,
-        f"task.type must be one of {', '.join(TASK_CHOICES)}, got {task.type!r}.",
-    )
     for name in task.metrics:
         _require(
             task_metric(task.type, name) is not None,
@@ -187,11 +183,6 @@ def check_task(task: TaskConfig, source: SourceConfig) -> None:
         isinstance(features, str)
         or (isinstance(features, list) and features and all(isinstance(f, str) for f in features)),
         f"source.feature_column must be a column name or a non-empty list of column names, got {features!r}.",
-    )
-    on_missing = source.on_missing
-    _require(
-        on_missing in ("raise", "drop", "mean"),
-        f"source.on_missing must be raise, drop or mean, got {on_missing!r}.",
     )
 
 
@@ -229,10 +220,6 @@ def check_values(cfg: PipelineConfig) -> None:
         train.checkpoint_metric in (None, *metrics),
         f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train.checkpoint_metric!r}.",
     )
-    _require(
-        train.checkpoint_mode in (None, "max", "min"),
-        f"train.checkpoint_mode must be max, min or null, got {train.checkpoint_mode!r}.",
-    )
     _require(train.accumulate >= 1, f"train.accumulate must be >= 1, got {train.accumulate}.")
     tracking = cfg.tracking
     _require(
@@ -249,10 +236,6 @@ def check_values(cfg: PipelineConfig) -> None:
         train.grad_clip is None or train.grad_clip > 0,
         f"train.grad_clip must be > 0 or null, got {train.grad_clip}.",
     )
-    _require(
-        train.on_nonfinite in ("raise", "skip"),
-        f"train.on_nonfinite must be raise or skip, got {train.on_nonfinite!r}.",
-    )
     stop = train.early_stop
     _require(
         stop.patience is None or stop.patience >= 1,
@@ -267,10 +250,6 @@ def check_values(cfg: PipelineConfig) -> None:
     _require(
         not train.resume or cfg.tracking.run_name,
         "train.resume=true needs tracking.run_name: the name of the run to continue.",
-    )
-    _require(
-        train.amp_dtype in ("bfloat16", "float16"),
-        f"train.amp_dtype must be bfloat16 or float16, got {train.amp_dtype!r}.",
     )
     _require(ingest.cache in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest.cache!r}.")
     _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
@@ -293,10 +272,6 @@ def check_values(cfg: PipelineConfig) -> None:
         _require(s3.connect_timeout_s > 0 and s3.request_timeout_s > 0, f"{key}: timeouts must be > 0.")
     limit = cfg.source.limit
     _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
-    _require(
-        cfg.stage in ("train", "predict", "evaluate"),
-        f"stage must be train, predict or evaluate, got {cfg.stage!r}.",
-    )
     predict = cfg.predict
     _require(
         predict.batch_size >= 1 and predict.concurrency >= 1,

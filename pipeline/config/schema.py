@@ -6,6 +6,7 @@ parts (``_target_`` nodes) are free-form here; :mod:`pipeline.config.targets` ch
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -14,6 +15,23 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+class Choice(str, enum.Enum):
+    """A setting with a fixed set of values: Hydra refuses any other, naming the valid ones. A ``str`` whose
+    value is its name: it compares, formats and is logged as that value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# the functional form where a value is a Python keyword ("raise")
+OnMissing = Choice("OnMissing", {name: name for name in ("raise", "drop", "mean")})
+OnNonfinite = Choice("OnNonfinite", {name: name for name in ("raise", "skip")})
+AmpDtype = Choice("AmpDtype", {name: name for name in ("bfloat16", "float16")})
+CheckpointMode = Choice("CheckpointMode", {name: name for name in ("max", "min")})
+TaskType = Choice("TaskType", {name: name for name in ("classification", "regression")})
+Stage = Choice("Stage", {name: name for name in ("train", "predict", "evaluate")})
 
 
 @dataclass
@@ -45,7 +63,7 @@ class SourceConfig:
     classes: Optional[list[str]] = None
     # a table's missing (null), NaN or infinite feature values: raise (fail naming file, column and row),
     # drop (the row, counted as skipped_rows) or mean (the training split's mean; needs ingest.standardize)
-    on_missing: str = "raise"
+    on_missing: OnMissing = OnMissing["raise"]
     limit: Optional[int] = None  # cap on rows per split
     download: Optional[Any] = None  # _target_ callable(root) that fetches the data when it is missing
     reader_v2: bool = False  # prediction: Ray Data's V2 parquet reader (starts footer-reader actors: slower)
@@ -96,18 +114,18 @@ class TrainConfig:
     epochs: int = 1
     seed: int = 0
     amp: bool = False  # autocast on GPU workers; ignored on CPU
-    amp_dtype: str = "bfloat16"  # bfloat16 or float16 (float16 adds a GradScaler)
+    amp_dtype: AmpDtype = AmpDtype.bfloat16  # or float16 (which adds a GradScaler)
     num_to_keep: Optional[int] = None  # best checkpoints kept (the latest is always kept too); null keeps all
     checkpoint_metric: Optional[str] = None  # what "best" means, e.g. val_accuracy; null: the most recent
     evaluate: bool = False  # then stage=evaluate with the run's best model, in a run nested under it
-    checkpoint_mode: Optional[str] = None  # max or min of checkpoint_metric; null: min for losses and errors
+    checkpoint_mode: Optional[CheckpointMode] = None  # max or min of checkpoint_metric; null: min for losses, errors
     max_failures: int = 0  # worker-group restarts from the latest checkpoint before the run fails; -1: no limit
     resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
     grad_clip: Optional[float] = None  # clip the gradients' global L2 norm to this before each step; null: no clip
     accumulate: int = 1  # batches per optimizer step (gradient accumulation: DDP all-reduces only on the last)
     # a loss or gradient that is NaN or inf: raise (the run fails, naming the epoch and step) or skip (that
     # optimizer step is not taken; counted per epoch as skipped_steps)
-    on_nonfinite: str = "raise"
+    on_nonfinite: OnNonfinite = OnNonfinite["raise"]
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
 
@@ -190,7 +208,7 @@ class IngestConfig:
 class TaskConfig:
     """What the model learns, which sets the loss, the metrics and what a prediction is (conf/task/)."""
 
-    type: str = "classification"  # classification (integer labels) or regression (numeric labels)
+    type: TaskType = TaskType.classification  # classification (integer labels) or regression (numeric labels)
     loss: Any = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})  # any torch loss module
     # reported as val_<name>: classification accuracy, topK_accuracy (top5_accuracy); regression mae, mse, rmse
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
@@ -275,7 +293,7 @@ class PipelineConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     # train; predict with a trained run's model (the predict section); evaluate: predict over labelled rows,
     # plus a confusion matrix and per-class precision, recall and F1 (a residual plot for regression)
-    stage: str = "train"
+    stage: Stage = Stage.train
     predict: PredictConfig = field(default_factory=PredictConfig)
     optimized_metric: str = "val_${task.metrics[0]}"  # what the entry point returns to a sweeper (Optuna)
 

@@ -6,6 +6,7 @@ imported and its arguments checked against the callable's signature and annotati
 from __future__ import annotations
 
 import collections.abc
+import enum
 import inspect
 import typing
 from typing import Any
@@ -73,6 +74,8 @@ def accepts(value: Any, hint: Any, strict: bool = False) -> bool:
         return any(accepts(value, arg, strict) for arg in args)
     if origin is typing.Literal:
         return value in args
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # a choice setting: one of its names
+        return str(value) in hint.__members__
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -117,6 +120,8 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(arg) for arg in typing.get_args(hint))
     if typing.get_origin(hint) is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(hint.__members__)
     if hint in NAMES:
         return NAMES[hint]
     if typing.get_origin(hint) in (list, tuple, collections.abc.Sequence, collections.abc.Iterable):

@@ -40,7 +40,7 @@ def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: 
     experiment = experiment_choice(sweep_config.hydra.runtime.choices)
     job = Job.in_sweep(sweep_config.hydra.sweep.dir, number, experiment, filter_overrides(overrides))
     tracker.Tracker.open(cfg, job).end("FAILED", error)
-    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=None)
+    return JobReturn(overrides=overrides, status=JobStatus.COMPLETED)  # its return value: None, a failed job
 
 
 def summarize(client, experiment_id: str, parent: str, metric: str, better: int) -> tuple[list[dict], dict | None]:

@@ -12,7 +12,6 @@ import importlib
 import logging
 import math
 import os
-import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ from pipeline.runtime.filesystems import is_s3, local_store
 
 log = logging.getLogger(__name__)
 NODE_CHECK_TIMEOUT_S = 120.0
-CONNECT_TIMEOUT_S = 5.0
 
 
 def runtime_env(address: str | None, py_modules: list[str], extra: dict) -> dict:
@@ -107,7 +105,7 @@ def start_ray(
     if address is None:
         workarounds.local_runtime_settings()
     else:
-        check_reachable(address)
+        workarounds.check_reachable(address, unreachable)
     try:
         with workarounds.own_sigterm_handler():
             ray.init(
@@ -133,18 +131,6 @@ def start_ray(
         resources.get("CPU", 0),
         resources.get("GPU", 0),
     )
-
-
-def check_reachable(address: str) -> None:
-    """Fail within seconds when nothing listens at ``HOST:PORT`` (or ``ray://HOST:PORT``): Ray itself
-    retries an unreachable address for a long time before it gives up."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto", or a form Ray resolves itself
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as err:
-        raise unreachable(address, err) from err
 
 
 def unreachable(address: str, err: Exception) -> PipelineError:

@@ -72,7 +72,7 @@ def log_checkpoint(client: MlflowClient, run_id: str, cfg: PipelineConfig, local
     served, example = Scaled(model, scale).eval(), state["input_example"]
     with torch.no_grad():
         signature = infer_signature(example.numpy(), served(example).numpy())
-    metadata = {"task": cfg.task.type, "feature": cfg.source.feature_column, "epoch": kept.epoch}
+    metadata = {"task": str(cfg.task.type), "feature": cfg.source.feature_column, "epoch": kept.epoch}
     if state["classes"] is not None:
         metadata["classes"] = state["classes"]  # output i is classes[i]
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import tempfile
 
 import yaml
@@ -26,10 +27,16 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def plain_value(value: object) -> object:
+    """A choice setting (an Enum) as its value, so the config dumps as plain YAML."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def without_secrets(cfg: PipelineConfig) -> dict:
     """``cfg`` as plain data, with the values of ``ray.runtime_env.env_vars`` (where credentials for the
     cluster's workers go) replaced by ``***``."""
-    plain, env_vars = dataclasses.asdict(cfg), cfg.ray.runtime_env.get("env_vars")
+    plain = dataclasses.asdict(cfg, dict_factory=lambda items: {k: plain_value(v) for k, v in items})
+    env_vars = cfg.ray.runtime_env.get("env_vars")
     if env_vars:
         plain["ray"]["runtime_env"]["env_vars"] = dict.fromkeys(env_vars, "***")
     return plain

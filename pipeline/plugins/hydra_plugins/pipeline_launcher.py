@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import sys
 
-from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn
 from hydra.errors import ConfigCompositionException
 from hydra.experimental.callback import Callback
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.common.workarounds import hydra_basic_plugins
+
+BasicLauncher, BasicSweeper = hydra_basic_plugins()
 
 
 class PipelineLauncher(BasicLauncher):
@@ -44,7 +46,7 @@ class PipelineSweeper(BasicSweeper):
     compose: :class:`PipelineLauncher` records such jobs one by one."""
 
     def validate_batch_is_legal(self, batch) -> None:
-        pass
+        """Skipped: each job is composed as it launches (the batch's check would compose them all first)."""
 
 
 class TuneSweeper(Sweeper):
