@@ -40,7 +40,7 @@ def describe_job(hydra_cfg: DictConfig):
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def main(raw: DictConfig) -> float | None:
     # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
     # so that a mistyped override or experiment fails at once.
     from pipeline.api import run_job
@@ -51,7 +51,7 @@ def main(cfg: DictConfig) -> float | None:
     signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
     signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
     try:
-        result = run_job(cfg, job)
+        result = run_job(raw, job)
     except KeyboardInterrupt:  # Ctrl-C: the job recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:
@@ -63,7 +63,7 @@ def main(cfg: DictConfig) -> float | None:
         # A sweep goes on: the job is a FAILED child run; None tells Optuna the trial failed.
         (log.error if isinstance(err, PipelineError) else log.exception)("job failed: %s", err)
         return None
-    return result.metrics.get(cfg.optimized_metric)
+    return result.metrics.get(raw.optimized_metric)
 
 
 if __name__ == "__main__":

@@ -46,23 +46,23 @@ def train(experiment: str | None = None, overrides: Sequence[str] = (), run_dir:
     return run_job(cfg, Job(run_dir, experiment or "default", [*chosen, *overrides], started_at=time.time()))
 
 
-def typed(cfg: DictConfig) -> PipelineConfig:
+def typed(raw: DictConfig) -> PipelineConfig:
     """The composed config as the schema's objects, a source's class names counted first (what the models'
     ``${source.num_classes}`` reads)."""
     from pipeline.data.source import with_classes
 
-    with_classes(cfg)
-    return load(cfg)
+    with_classes(raw)
+    return load(raw)
 
 
-def run_job(cfg: DictConfig, job):
+def run_job(raw: DictConfig, job):
     """The job ``cfg.stage`` names (train, or predict / evaluate), from the composed config: made typed once,
     checked where a submitted Ray job would lose its outputs, then run."""
     from pipeline.jobs import predict
     from pipeline.jobs import train as training_job
     from pipeline.runtime import cluster
 
-    config = typed(cfg)  # each stage gets the typed config: cfg.train.epochs
+    config = typed(raw)  # each stage gets the typed config: cfg.train.epochs
     cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
     stage = predict.run if config.stage in ("predict", "evaluate") else training_job.run
     return stage(config, job)

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -70,7 +71,44 @@ LONGEST_FIRST = (
 )
 
 
+# The fixtures that start Ray or a server (moto's S3, MLflow, PostgreSQL, a Ray head): a test that asks for one is
+# slow, so `-m "not slow"` (a change's first feedback) starts neither. A test that starts them itself
+# (a subprocess past Ray's start) carries its own mark.
+STARTS_RAY_OR_A_SERVER = {
+    "ray_runtime",
+    "deterministic_run",
+    "s3_endpoint",
+    "s3_with_auth",
+    "cluster",
+    "head",
+    "tracking_server",
+    "pretrained",
+    "cli_run",
+    "grid_sweep",
+    "mlflow_ui",
+    "server",
+}
+
+
+def ray_started() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def unmarked_tests_start_no_ray(request):
+    """A test not marked slow that started Ray here (Ray Data starts it on first use) fails, saying so."""
+    before = ray_started()
+    yield
+    if not before and ray_started() and request.node.get_closest_marker("slow") is None:
+        pytest.fail("this test started Ray: ask for the ray_runtime fixture (which marks it slow) or mark it slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marks
 def pytest_collection_modifyitems(items: list) -> None:
+    for item in items:
+        if STARTS_RAY_OR_A_SERVER & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 

@@ -263,10 +263,9 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     # never behind the record; ahead when the driver was killed before the rest reached MLflow (resuming logs it)
     assert newest >= reached - 1
 
-    # Ray Train records a checkpoint only after its copy to storage: a stop between the two left epoch 1's
-    # unrecorded once (a serial suite run), and the resumed job began again at epoch 1. Without Ray's record
-    # at all, the job must continue from the newest whole checkpoint it finds. (A stop before Ray's first
-    # record leaves none to remove: a fresh-clone run at 386fd1c.)
+    # Ray Train records a checkpoint only after its copy to storage, so a stop between the two leaves the
+    # newest unrecorded. Without Ray's record at all, the job must continue from the newest whole checkpoint
+    # it finds. (A stop before Ray's first record leaves no record to remove.)
     with contextlib.suppress(FileNotFoundError):
         fs.delete_file(f"{storage.removeprefix('s3://')}/checkpoint_manager_snapshot.json")
     resumed = submit(head, project, [*command, "train.resume=true"], env_vars)

@@ -230,6 +230,7 @@ except SystemExit:
 """
 
 
+@pytest.mark.slow  # starts Ray in a subprocess
 @pytest.mark.parametrize("handler", ["Ray's", "put back"])
 def test_ray_init_replaces_the_sigterm_handler_with_one_that_aborts_a_slow_cleanup_after_3_s(handler):
     """Workaround: ``own_sigterm_handler``. After ``ray.init``, a SIGTERM goes to Ray's failure handler

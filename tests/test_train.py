@@ -16,7 +16,7 @@ from pipeline.data.source import Layout
 from pipeline.training.checkpoint import autocast_settings
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.task import Task
-from pipeline.training.worker import Replica, evaluate, prefetched, train_epoch
+from pipeline.training.worker import Replica, prefetched, train_epoch, validate
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 
@@ -92,7 +92,7 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     replica = replica_of(torch.nn.Linear(4, outputs), task)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
-    metrics = train_epoch(replica, batches, epoch_cfg(), 0, 3, None) | evaluate(replica, batches)
+    metrics = train_epoch(replica, batches, epoch_cfg(), 0, 3, None) | validate(replica, batches)
     assert set(metrics) == set(epoch_metrics(task.type, task.metrics))
     assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
     assert all(value == value for value in metrics.values())  # no NaN
@@ -186,7 +186,7 @@ def validated(rank: int, world: int, port: int, out: str) -> None:
     shard = rows(16, seed=rank)
     shard["x"] = shard["x"] + 3 * rank  # each rank's batch moves its running statistics elsewhere
     train_epoch(replica, [shard], epoch_cfg(), 0, 1, None)
-    evaluate(replica, [rows(16, seed=7)])
+    validate(replica, [rows(16, seed=7)])
     torch.save(model[1].running_mean.clone(), f"{out}.{rank}")
     dist.destroy_process_group()
 

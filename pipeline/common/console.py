@@ -7,6 +7,7 @@ import os
 import sys
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.common.metrics import is_task_metric
 
@@ -57,10 +58,20 @@ def data_wait_note(fraction: float, limit: float) -> str | None:
 
 class Progress:
     """One progress bar per epoch (step and loss, as rank 0 sends them) and one line of metrics when
-    the epoch is reported. Driven from the driver's event thread (:mod:`pipeline.training.trainer`)."""
+    the epoch is reported. Driven from the driver's event thread (:mod:`pipeline.training.relay`). As a
+    ``with`` block, the console's log lines go above the bar, each starting on a line of its own."""
 
     def __init__(self, epochs: int, steps: int, wait_limit: float):
         self.epochs, self.steps, self.wait_limit, self.bar = epochs, steps, wait_limit, None
+        self._logs_above = logging_redirect_tqdm()
+
+    def __enter__(self) -> Progress:
+        self._logs_above.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self._logs_above.__exit__(*exc)
 
     def update(self, epoch: int, step: int, loss: float) -> None:
         if self.bar is None:

@@ -26,7 +26,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import TASK_CHOICES, epoch_metrics, task_metric
-from pipeline.config.schema import CONF_DIR, PipelineConfig, ScalingConfig, SourceConfig, TaskConfig, TrainConfig
+from pipeline.config.schema import (
+    CONF_DIR,
+    FinetuneConfig,
+    IngestConfig,
+    PipelineConfig,
+    ScalingConfig,
+    SourceConfig,
+    TaskConfig,
+    TrackingConfig,
+    TrainConfig,
+    TransformsConfig,
+)
 from pipeline.config.targets import accepts, check_target, describe
 
 
@@ -187,51 +198,61 @@ def check_task(task: TaskConfig, source: SourceConfig) -> None:
 
 
 def check_values(cfg: PipelineConfig) -> None:
-    """Values out of range and the transforms' ``_target_`` (cheap to import, and a bad argument there,
-    such as ``on_error``, should fail before Ray starts): everything but the model's, optimizer's and
-    scheduler's imports."""
-    for split in ("train", "valid"):
-        for name, spec in cfg.transforms.active(split).items():
-            key = f"transforms.{split}.{name}.fn"
-            check_target(spec.fn, key, runtime_args=("batch",), class_runtime_args=())
-            _require(spec.num_cpus >= 0, f"transforms.{split}.{name}.num_cpus must be >= 0.")
-            _require(
-                spec.batch_size is None or spec.batch_size > 0,
-                f"transforms.{split}.{name}.batch_size must be > 0 or null.",
-            )
-            _require(
-                spec.concurrency is None or spec.concurrency >= 1,
-                f"transforms.{split}.{name}.concurrency must be >= 1 or null.",
-            )
-    check_task(cfg.task, cfg.source)
+    """Values out of range and settings that contradict each other, section by section, and the transforms'
+    ``_target_`` (cheap to import, and a bad argument there, such as ``on_error``, should fail before Ray
+    starts): everything but the model's, optimizer's and scheduler's imports (:func:`check_targets`)."""
     metrics = list(epoch_metrics(cfg.task.type, cfg.task.metrics))
     _require(
         cfg.optimized_metric in metrics,
         f"optimized_metric must be one of {', '.join(metrics)}, got {cfg.optimized_metric!r}.",
     )
-    scaling, ingest, train = cfg.scaling, cfg.ingest, cfg.train
+    check_transforms(cfg.transforms)
+    check_task(cfg.task, cfg.source)
+    check_source(cfg.source, cfg.ingest)
+    check_training(cfg.train, metrics, cfg.finetune)
+    check_tracking(cfg.tracking, cfg.train)
+    check_ingest(cfg.ingest)
+    check_workers(cfg.scaling, cfg.train)
+    check_batch(cfg.ingest, cfg.scaling)
+    for key, s3 in (("source.s3", cfg.source.s3), ("storage.s3", cfg.storage.s3)):
+        _require(s3.max_attempts >= 1, f"{key}.max_attempts must be >= 1, got {s3.max_attempts}.")
+        _require(s3.connect_timeout_s > 0 and s3.request_timeout_s > 0, f"{key}: timeouts must be > 0.")
+    predict = cfg.predict
     _require(
-        cfg.source.on_missing != "mean" or ingest.standardize,
+        predict.batch_size >= 1 and predict.concurrency >= 1,
+        "predict.batch_size and predict.concurrency must be >= 1.",
+    )
+
+
+def check_transforms(transforms: TransformsConfig) -> None:
+    """Each active step's function and its arguments, its CPUs, batch size and concurrency."""
+    for split in ("train", "valid"):
+        for name, spec in transforms.active(split).items():
+            key = f"transforms.{split}.{name}"
+            check_target(spec.fn, f"{key}.fn", runtime_args=("batch",), class_runtime_args=())
+            _require(spec.num_cpus >= 0, f"{key}.num_cpus must be >= 0.")
+            _require(spec.batch_size is None or spec.batch_size > 0, f"{key}.batch_size must be > 0 or null.")
+            _require(spec.concurrency is None or spec.concurrency >= 1, f"{key}.concurrency must be >= 1 or null.")
+
+
+def check_source(source: SourceConfig, ingest: IngestConfig) -> None:
+    """Rows per split, and what filling in missing values needs."""
+    _require(source.limit is None or source.limit >= 1, f"source.limit must be >= 1 or null, got {source.limit}.")
+    _require(
+        source.on_missing != "mean" or ingest.standardize,
         "source.on_missing=mean fills in the training mean that ingest.standardize computes: set "
         "ingest.standardize=true, or use source.on_missing=drop.",
     )
+
+
+def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneConfig) -> None:
+    """The recipe: epochs, checkpoints' metric, accumulation, clipping, early stopping, failures, resuming."""
     _require(train.epochs >= 1, f"train.epochs must be >= 1, got {train.epochs}.")
     _require(
         train.checkpoint_metric in (None, *metrics),
         f"train.checkpoint_metric must be null or one of {', '.join(metrics)}, got {train.checkpoint_metric!r}.",
     )
     _require(train.accumulate >= 1, f"train.accumulate must be >= 1, got {train.accumulate}.")
-    tracking = cfg.tracking
-    _require(
-        tracking.register_as is None or tracking.log_model,
-        "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
-    )
-    _require(
-        not train.evaluate or tracking.log_model,
-        "train.evaluate evaluates the run's logged model: set tracking.log_model=true too.",
-    )
-    scale = cfg.finetune.backbone_lr_scale
-    _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
     _require(
         train.grad_clip is None or train.grad_clip > 0,
         f"train.grad_clip must be > 0 or null, got {train.grad_clip}.",
@@ -247,35 +268,46 @@ def check_values(cfg: PipelineConfig) -> None:
     )
     _require(stop.min_delta >= 0, f"train.early_stop.min_delta must be >= 0, got {stop.min_delta}.")
     _require(train.max_failures >= -1, f"train.max_failures must be >= -1, got {train.max_failures}.")
+    scale = finetune.backbone_lr_scale
+    _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
+
+
+def check_tracking(tracking: TrackingConfig, train: TrainConfig) -> None:
+    """What registering, evaluating and resuming need from the run's record."""
     _require(
-        not train.resume or cfg.tracking.run_name,
+        tracking.register_as is None or tracking.log_model,
+        "tracking.register_as registers the run's logged model: set tracking.log_model=true too.",
+    )
+    _require(
+        not train.evaluate or tracking.log_model,
+        "train.evaluate evaluates the run's logged model: set tracking.log_model=true too.",
+    )
+    _require(
+        not train.resume or tracking.run_name,
         "train.resume=true needs tracking.run_name: the name of the run to continue.",
     )
+
+
+def check_ingest(ingest: IngestConfig) -> None:
+    """The cache, the batch and the normalization."""
     _require(ingest.cache in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest.cache!r}.")
     _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
-    check_workers(scaling, train)
     _require(ingest.batch_size >= 1, f"ingest.batch_size must be >= 1, got {ingest.batch_size}.")
     normalize = ingest.normalize
     _require(
         normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),
         f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
     )
+
+
+def check_batch(ingest: IngestConfig, scaling: ScalingConfig) -> None:
+    """The global batch divides evenly among the workers, at every size an elastic run may take."""
     uneven = [n for n in scaling.worker_counts if ingest.batch_size % n]
     _require(
         not uneven,
         f"ingest.batch_size ({ingest.batch_size}) is the global batch and must divide evenly "
         f"among scaling.num_workers ({scaling.num_workers}"
         + (f": not {', '.join(map(str, uneven))} of them)." if scaling.elastic else ")."),
-    )
-    for key, s3 in (("source.s3", cfg.source.s3), ("storage.s3", cfg.storage.s3)):
-        _require(s3.max_attempts >= 1, f"{key}.max_attempts must be >= 1, got {s3.max_attempts}.")
-        _require(s3.connect_timeout_s > 0 and s3.request_timeout_s > 0, f"{key}: timeouts must be > 0.")
-    limit = cfg.source.limit
-    _require(limit is None or limit >= 1, f"source.limit must be >= 1 or null, got {limit}.")
-    predict = cfg.predict
-    _require(
-        predict.batch_size >= 1 and predict.concurrency >= 1,
-        "predict.batch_size and predict.concurrency must be >= 1.",
     )
 
 

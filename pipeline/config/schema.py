@@ -308,7 +308,7 @@ def register() -> None:
     store.store(group="hydra/sweeper", name="pipeline", node=sweeper)
     tune = {  # conf/hparams_search/tune.yaml sets them, with comments
         "_target_": f"{plugins}.TuneSweeper",
-        "_recursive_": False,  # search_alg and scheduler stay configs: tuning.py instantiates them
+        "_recursive_": False,  # search_alg and scheduler stay configs: jobs/tune.py instantiates them
         "num_samples": 1,
         "max_concurrent_trials": None,
         "seed": None,

@@ -2,7 +2,7 @@
 (:class:`Job`), its checked sources (here), its datasets (:func:`pipeline.data.preprocess.training_data`),
 its checkpoint storage (:func:`pipeline.runtime.filesystems.run_storage`), the weights it starts from
 (:func:`start_weights`), then training
-(:func:`pipeline.training.trainer.fit`). A run (``run.py``) and a Tune trial (``trial.py``, in a trial actor)
+(:func:`pipeline.training.trainer.fit`). A run (``train.py``) and a Tune trial (``trial.py``, in a trial actor)
 both build theirs with these functions.
 """
 

@@ -3,7 +3,7 @@ FAILED child run (for the launcher in ``pipeline/plugins/hydra_plugins``), and a
 the sweep ends, marks its MLflow parent run with the best child, prints one line per job, and exits
 non-zero if any job failed.
 
-Jobs report to MLflow themselves (see ``run.py``); the callback only reads the store back.
+Jobs report to MLflow themselves (see ``train.py``); the callback only reads the store back.
 """
 
 from __future__ import annotations

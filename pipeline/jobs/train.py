@@ -64,7 +64,7 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
             tracker.epochs.reconcile(storage)  # a resumed run: the epoch an interrupted attempt saved but did not log
             steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
             progress = console.Progress(cfg.train.epochs, steps, wait_limit)
-            with lifeline.watched(lambda what: ray_lost(tracker, what)):
+            with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
                 result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
             if tracker.epochs.last is None:

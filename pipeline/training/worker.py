@@ -55,7 +55,7 @@ class WorkerJob:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """One worker's run: set up, restore, then per epoch: batches -> steps -> evaluate -> report."""
+    """One worker's run: set up, restore, then per epoch: batches -> steps -> validate -> report."""
     job: WorkerJob = config["job"]
     cfg, events, epoch_counter = job.cfg, job.events, job.epoch_counter
     context = ray.train.get_context()
@@ -87,7 +87,7 @@ def train_loop_per_worker(config: dict) -> None:
         batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
         metrics = train_epoch(replica, batches, cfg, epoch, steps, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
-        metrics |= evaluate(replica, valid)
+        metrics |= validate(replica, valid)
         # every rank holds the same all-reduced metrics, so every rank decides alike
         stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
         metrics |= {
@@ -260,7 +260,7 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate(replica: Replica, batches: Iterable[dict]) -> dict:
+def validate(replica: Replica, batches: Iterable[dict]) -> dict:
     """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
     features, labels = replica.layout.model_input, replica.layout.label
     model, task = replica.module.eval(), replica.task
