@@ -19,9 +19,9 @@ import ray.data
 from ray.exceptions import RayError
 
 from pipeline.common import workarounds
-from pipeline.data import cache, pieces, source, stream
-from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
 from pipeline.common.errors import PipelineError
+from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
+from pipeline.data import cache, pieces, source, stream
 from pipeline.data.steps import (
     Steps,
     apply,
@@ -210,9 +210,9 @@ def cached_dataset(
 
 
 def gathered(source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, counter):
-    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first`` (:func:`read_steps`)
-    and ``steps`` run on the rows as they are gathered, in the same task, which keeps only ``columns``; class
-    steps, which need their actor pools, run after, as Ray Data steps."""
+    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first``
+    (:func:`read_steps`) and ``steps`` run on the rows as they are gathered, in the same task, which keeps only
+    ``columns``; class steps, which need their actor pools, run after, as Ray Data steps."""
     inline = not any(is_class(spec) for spec in steps.values())
     then = Steps(steps, first, keep=columns) if inline else Steps({}, first)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0)} if inline else {}

@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import SourceConfig, check_target
 from pipeline.common.errors import PipelineError
+from pipeline.config import SourceConfig, check_target
 from pipeline.runtime.filesystems import is_s3, locate, s3_error
 
 SPLITS = ("train", "valid")

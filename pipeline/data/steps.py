@@ -23,9 +23,9 @@ import ray
 import ray.data
 from hydra.utils import instantiate
 
-from pipeline.data import source
-from pipeline.config import PredictConfig, TransformSpec
 from pipeline.common.errors import PipelineError
+from pipeline.config import PredictConfig, TransformSpec
+from pipeline.data import source
 from transforms.tabular import stack_features
 
 
