@@ -163,6 +163,7 @@ def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root
     assert epochs == {best, 2}, reports
 
 
+@pytest.mark.slow  # Ray starts before the store is asked for the run
 def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, monkeypatch):
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     cfg = compose_cfg(
