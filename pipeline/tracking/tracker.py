@@ -7,7 +7,6 @@ block. The store is :mod:`pipeline.tracking.mlflow_store`'s; LoggedModels :mod:`
 
 from __future__ import annotations
 
-import logging
 import time
 
 from pipeline.common.errors import redact
@@ -23,8 +22,6 @@ from pipeline.tracking.models import BEST_MODEL_TAG
 from pipeline.tracking.record import RunRecord
 from pipeline.tracking.run_config import log_config
 from pipeline.training.trainer import checkpoint_mode
-
-log = logging.getLogger(__name__)
 
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh

@@ -88,18 +88,22 @@ def relayed(events: Queue, handler: EventHandler | None):
     sweep's driver through Tune."""
     stop, errors = threading.Event(), []
 
-    def dispatch(event) -> None:
-        if isinstance(event, EpochReported):
-            event = EpochReported(checked_ranks(event), event.checkpoint)
-        if handler is None:
-            return
-        handle = {
+    handles = (
+        {}
+        if handler is None
+        else {
             WorkerStarted: handler.worker_started,
             StepTaken: handler.step_taken,
             EpochReported: handler.epoch_reported,
             CheckpointRestored: handler.checkpoint_restored,
-        }[type(event)]
-        handle(event)
+        }
+    )
+
+    def dispatch(event) -> None:
+        if isinstance(event, EpochReported):
+            event = EpochReported(checked_ranks(event), event.checkpoint)
+        if type(event) in handles:
+            handles[type(event)](event)
 
     def relay() -> None:
         while True:
