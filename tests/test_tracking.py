@@ -16,6 +16,14 @@ from pipeline.tracking.run_config import logged_config
 from pipeline.tracking.tracker import Tracker
 
 
+def write_checkpoint(state: dict, directory, metrics: dict) -> None:
+    """A checkpoint as a worker writes it: rank 0's state, then the report naming every file and its size."""
+    from pipeline.training import checkpoint
+
+    checkpoint.write_state(state, str(directory))
+    checkpoint.write_report(str(directory), metrics, checkpoint.files(str(directory)))
+
+
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     """Passwords in URIs, and the env_vars a cluster's workers get (where credentials go)."""
     cfg = compose_cfg(
@@ -88,7 +96,6 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     import torch
 
     from pipeline.runtime import filesystems
-    from pipeline.training import checkpoint
 
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -103,7 +110,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
         saved = tmp_path / "checkpoints" / tracker.run_id / f"checkpoint_2026-11-26_00-00-0{epoch}"
         saved.mkdir(parents=True)
         nan = {"val_loss": float("nan")} if epoch == 2 else {}
-        checkpoint.save({"epoch": epoch}, str(saved), {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan})
+        write_checkpoint({"epoch": epoch}, saved, {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan})
     tracker.epochs.log_epoch({**figures, "epoch": 0})
     with pytest.raises(SystemExit), tracker:  # ends the run: KILLED here, as on SIGTERM
         raise SystemExit(143)
@@ -135,9 +142,16 @@ def test_a_resumed_run_continues_from_the_newest_whole_checkpoint_in_its_storage
     from pipeline.training import checkpoint
 
     fs = pafs.LocalFileSystem()
-    for epoch in range(3):
+    for epoch in range(4):
         (tmp_path / f"checkpoint_{epoch}").mkdir()
-        checkpoint.save({"epoch": epoch}, str(tmp_path / f"checkpoint_{epoch}"), {"epoch": epoch})
+        if epoch == 3:  # a sharded one: each rank's shards beside rank 0's checkpoint.pt
+            (tmp_path / "checkpoint_3" / "model").mkdir()
+            for rank in (0, 1):
+                (tmp_path / "checkpoint_3" / "model" / f"__{rank}_0.distcp").write_bytes(b"x" * 1000)
+        write_checkpoint({"epoch": epoch}, tmp_path / f"checkpoint_{epoch}", {"epoch": epoch})
+    assert checkpoint.newest(fs, str(tmp_path)) == str(tmp_path / "checkpoint_3")
+    shard = tmp_path / "checkpoint_3" / "model" / "__1_0.distcp"  # a rank's upload cut short
+    shard.write_bytes(shard.read_bytes()[:-100])
     assert checkpoint.newest(fs, str(tmp_path)) == str(tmp_path / "checkpoint_2")
     cut = tmp_path / "checkpoint_2" / "checkpoint.pt"
     cut.write_bytes(cut.read_bytes()[:-100])

@@ -62,7 +62,7 @@ class Progress:
     ``with`` block, the console's log lines go above the bar, each starting on a line of its own."""
 
     def __init__(self, epochs: int, steps: int, wait_limit: float):
-        self.epochs, self.steps, self.wait_limit, self.bar = epochs, steps, wait_limit, None
+        self.epochs, self.steps, self.wait_limit, self.bar, self.epoch = epochs, steps, wait_limit, None, None
         self._logs_above = logging_redirect_tqdm()
 
     def __enter__(self) -> Progress:
@@ -74,7 +74,10 @@ class Progress:
         self._logs_above.__exit__(*exc)
 
     def update(self, epoch: int, step: int, loss: float) -> None:
+        if self.bar is not None and self.epoch != epoch:  # the next epoch began before this one's report came
+            self.close()  # (its checkpoint was still uploading: train.checkpoint_upload=async)
         if self.bar is None:
+            self.epoch = epoch
             self.bar = tqdm(
                 total=self.steps,
                 desc=f"epoch {epoch + 1}/{self.epochs}",
@@ -86,7 +89,8 @@ class Progress:
         self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def epoch_done(self, metrics: dict) -> None:
-        self.close()
+        if self.epoch == metrics["epoch"]:  # else the bar is the next epoch's, already under way
+            self.close()
         tqdm.write(format_metrics(metrics["epoch"], self.epochs, metrics, self.wait_limit))
 
     def restored(self, epoch: int, workers: int) -> None:

@@ -57,6 +57,10 @@ COUNTERS = {
     "data_wait_fraction": Metric(lower_is_better=True),
     "skipped_steps": Metric(lower_is_better=True),  # optimizer steps not taken for NaN/inf (train.on_nonfinite)
     "workers": Metric(lower_is_better=False),  # the worker group's size (elastic scaling.num_workers changes it)
+    # a worker's parameters and optimizer state (rank 0's: with scaling.strategy=fsdp, its shards)
+    "param_bytes": Metric(lower_is_better=True),
+    "optimizer_bytes": Metric(lower_is_better=True),
+    "checkpoint_stall_s": Metric(lower_is_better=True),  # what the previous epoch's checkpoint held training up
 }
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {

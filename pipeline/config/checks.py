@@ -213,6 +213,7 @@ def check_values(cfg: PipelineConfig) -> None:
     check_tracking(cfg.tracking, cfg.train)
     check_ingest(cfg.ingest)
     check_workers(cfg.scaling, cfg.train)
+    check_levers(cfg.train, cfg.scaling)
     check_batch(cfg.ingest, cfg.scaling)
     for key, s3 in (("source.s3", cfg.source.s3), ("storage.s3", cfg.storage.s3)):
         _require(s3.max_attempts >= 1, f"{key}.max_attempts must be >= 1, got {s3.max_attempts}.")
@@ -297,6 +298,19 @@ def check_ingest(ingest: IngestConfig) -> None:
     _require(
         normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),
         f"ingest.normalize needs one mean and one std > 0 per channel, got {normalize}.",
+    )
+
+
+def check_levers(train: TrainConfig, scaling: ScalingConfig) -> None:
+    """The GPU levers' combinations (which blocks exist is checked against the model: training/parallel.py)."""
+    _require(
+        not (scaling.strategy == "fsdp" and train.amp and train.amp_dtype == "float16"),
+        "scaling.strategy=fsdp casts to train.amp_dtype through FSDP's mixed-precision policy, which here takes "
+        "bfloat16 only: float16 would need a sharded GradScaler. Set train.amp_dtype=bfloat16.",
+    )
+    _require(
+        train.blocks is None or (len(train.blocks) > 0 and all(isinstance(b, str) and b for b in train.blocks)),
+        f"train.blocks must be null or a non-empty list of module class names, got {train.blocks!r}.",
     )
 
 

@@ -32,6 +32,11 @@ AmpDtype = Choice("AmpDtype", {name: name for name in ("bfloat16", "float16")})
 CheckpointMode = Choice("CheckpointMode", {name: name for name in ("max", "min")})
 TaskType = Choice("TaskType", {name: name for name in ("classification", "regression")})
 Stage = Choice("Stage", {name: name for name in ("train", "predict", "evaluate")})
+Strategy = Choice("Strategy", {name: name for name in ("ddp", "fsdp")})
+CompileMode = Choice(  # torch.compile's modes
+    "CompileMode", {name: name for name in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
+)
+CheckpointUpload = Choice("CheckpointUpload", {name: name for name in ("async", "sync")})
 
 
 @dataclass
@@ -127,6 +132,17 @@ class TrainConfig:
     # optimizer step is not taken; counted per epoch as skipped_steps)
     on_nonfinite: OnNonfinite = OnNonfinite["raise"]
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    # the GPU levers (docs/performance.md, "GPU levers": when each pays): torch.compile each worker's model (its
+    # first steps compile, for seconds to minutes), with one of torch.compile's modes
+    compile: bool = False
+    compile_mode: CompileMode = CompileMode["default"]
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, more compute
+    # the model's repeated blocks, by class name or dotted path: the units FSDP shards and activation checkpointing
+    # recomputes; null: torchvision's ViT EncoderBlock, ResNet BasicBlock and Bottleneck, and Linear (the MLP)
+    blocks: Optional[list[str]] = None
+    # async: the next epoch starts while Ray Train uploads the checkpoint to storage.path (Ray's
+    # checkpoint_upload_mode); sync: training waits for each upload
+    checkpoint_upload: CheckpointUpload = CheckpointUpload["async"]
 
 
 @dataclass
@@ -151,6 +167,9 @@ class ScalingConfig:
     # from the latest checkpoint as nodes come and go; docs/cluster.md)
     num_workers: Any = 2
     use_gpu: bool = False
+    # ddp: each worker holds a whole replica; fsdp: FSDP2 shards the parameters, gradients and optimizer state
+    # over the workers, per block (train.blocks), for models that do not fit one device
+    strategy: Strategy = Strategy.ddp
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 0.5})
     label_selector: dict[str, str] = field(default_factory=dict)  # node labels training workers need
     data_cpus: Optional[float] = None  # CPU budget for Ray Data preprocessing; null: what training leaves

@@ -17,6 +17,7 @@ from pipeline.jobs import build, predict
 from pipeline.runtime import cluster
 from pipeline.runtime.filesystems import make_dir
 from pipeline.tracking import mlflow_store
+from pipeline.training import parallel
 from pipeline.training.finetune import Initial
 
 
@@ -41,6 +42,7 @@ def checked(cfg: PipelineConfig) -> tuple[dict[str, source.Split], Initial | Non
             make_dir(storage, cfg.storage.s3, "storage.path")
         wanted = cluster.runtime(cfg.ray, cfg.scaling)
         targets.result()  # a wrong argument of a part fails before Ray starts
+        parallel.check_blocks(cfg.model, cfg.train, cfg.scaling)  # builds the model, with fsdp or recomputed blocks
         # then the store: later clients of the same store reuse it (MLflow caches a store per URI); it
         # holds no run until one is started
         store = helper.submit(mlflow_store.connect, cfg.tracking.uri, cfg.paths.outputs)

@@ -80,7 +80,8 @@ class EpochLog:
         model = (
             {"epoch": epoch, "checkpoint": checkpoint} if checkpoint is not None and self.settings.log_model else None
         )
-        self.record.write(metrics_record({k: metrics[k] for k in self.metrics}, epoch, model, self.dataset_of))
+        reported = {k: metrics[k] for k in self.metrics if k in metrics}  # a report older than a metric lacks it
+        self.record.write(metrics_record(reported, epoch, model, self.dataset_of))
         note = data_wait_note(metrics["data_wait_fraction"], self.settings.data_wait_warning)
         if note is not None:
             self.record.tag(DATA_WAIT_TAG, f"epoch {epoch + 1}: {note}")

@@ -65,7 +65,7 @@ class Scaled(torch.nn.Module):
 def log_checkpoint(client: MlflowClient, run_id: str, cfg: PipelineConfig, local: str, kept: Kept) -> None:
     """The checkpoint in the local directory ``local`` as the LoggedModel ``kept.model_id`` (made by
     :func:`start_model`): pt2 program, signature, input example, weights; READY once its files are in."""
-    state = checkpoint.load(local, "tracking.log_model")
+    state = checkpoint.load_whole(local, "tracking.log_model")
     model = instantiate(cfg.model, _convert_="all")
     model.load_state_dict(state["model"])
     scale = feature_scaler(cfg.ingest.normalize, state["feature_statistics"], torch.device("cpu"))
@@ -193,7 +193,7 @@ def model_weights(client: MlflowClient, uri: str, into: str) -> str:
 
 def log_model(client: MlflowClient, run_id: str, checkpoint_dir: str) -> None:
     """A checkpoint's weights as the run's ``model/state_dict.pt``, loadable with ``torch.load(weights_only=True)``."""
-    state = checkpoint.load(checkpoint_dir, "tracking.log_model")
+    state = checkpoint.load_whole(checkpoint_dir, "tracking.log_model")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, WEIGHTS_FILE)
         torch.save(state["model"], path)

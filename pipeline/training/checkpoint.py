@@ -6,7 +6,9 @@ pixel normalization).
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
 read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it,
-and the size ``checkpoint.pt`` was written at (a copy cut short by a stop is not taken for whole).
+and the size every file was written at (a copy cut short by a stop is not taken for whole). A sharded model's
+checkpoint (``scaling.strategy=fsdp``) keeps its model and optimizer state in ``torch.distributed.checkpoint``
+directories beside ``checkpoint.pt`` instead (:mod:`pipeline.training.parallel`), each rank's shards there.
 """
 
 from __future__ import annotations
@@ -14,25 +16,50 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import tempfile
 
 import pyarrow.fs as pafs
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import NormalizeConfig, TrainConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
-SIZE_KEY = "checkpoint_bytes"  # in the report: what checkpoint.pt holds when its copy is whole
+SIZE_KEY = "checkpoint_bytes"  # in the report of a checkpoint written before FILES_KEY: checkpoint.pt's size
+FILES_KEY = "checkpoint_files"  # in the report: every file of the checkpoint (all ranks'), and its size when whole
+SHARDED_KEY = "sharded"  # in a sharded checkpoint's state: the DCP directories that hold its model and optimizer
+SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
 
 
-def save(state: dict, directory: str, metrics: dict) -> None:
-    """``state`` as ``directory/checkpoint.pt``, and the epoch's ``metrics`` beside it: the record of an epoch
-    whose report never reached the driver (a signal or a crash between the two) survives with its checkpoint."""
-    path = os.path.join(directory, CHECKPOINT_FILE)
-    torch.save(state, path)
+def write_state(state: dict, directory: str) -> None:
+    """Rank 0's ``state`` as ``directory/checkpoint.pt``."""
+    torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+
+
+def files(directory: str) -> dict[str, int]:
+    """Each file under ``directory`` (relative path) and its size: what this rank adds to a checkpoint."""
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, directory)] = os.path.getsize(path)
+    return found
+
+
+def write_report(directory: str, metrics: dict, written: dict[str, int]) -> None:
+    """The epoch's ``metrics`` beside its checkpoint, with every file ``written`` to it (by any rank): the record of
+    an epoch whose report never reached the driver (a signal or a crash between the two) survives with its
+    checkpoint, and a checkpoint whose copy was cut short is known by a file's size."""
     with open(os.path.join(directory, REPORT_FILE), "w") as out:
-        json.dump({**metrics, SIZE_KEY: os.path.getsize(path)}, out)
+        json.dump({**metrics, FILES_KEY: written}, out)
+
+
+def read_report(filesystem: pafs.FileSystem, path: str) -> dict:
+    """The report beside the checkpoint at ``path``."""
+    with filesystem.open_input_stream(f"{path}/{REPORT_FILE}") as stream:
+        return json.loads(stream.read())
 
 
 def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict]]:
@@ -42,8 +69,7 @@ def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict
     for info in filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True)):
         report = f"{info.path}/{REPORT_FILE}"
         if info.type == pafs.FileType.Directory and filesystem.get_file_info(report).is_file:
-            with filesystem.open_input_stream(report) as stream:
-                found.append((info.path, json.loads(stream.read())))
+            found.append((info.path, read_report(filesystem, info.path)))
     return sorted(found, key=lambda item: item[1]["epoch"])
 
 
@@ -52,14 +78,16 @@ def newest(filesystem: pafs.FileSystem, directory: str) -> str | None:
     resumed run continues when Ray Train never registered it (Ray registers a checkpoint only once it is
     copied to storage, so a job stopped between the two leaves one that only this finds)."""
     for path, report in reversed(reports(filesystem, directory)):
-        if filesystem.get_file_info(f"{path}/{CHECKPOINT_FILE}").size == report.get(SIZE_KEY):
+        written = report.get(FILES_KEY, {CHECKPOINT_FILE: report.get(SIZE_KEY)})
+        if all(filesystem.get_file_info(f"{path}/{name}").size == size for name, size in written.items()):
             return path
     return None
 
 
-def load(path: str, key: str, device: torch.device | str = "cpu") -> dict:
+def load(path: str, key: str, device: torch.device | str = "cpu", sharded: bool = False) -> dict:
     """The dict saved at ``path`` (a file, or a checkpoint directory), as tensors and plain values only
-    (nothing pickled runs); a file that is no such thing fails naming ``key``, the setting that named it."""
+    (nothing pickled runs); a file that is no such thing fails naming ``key``, the setting that named it. A
+    sharded checkpoint's state (its model in DCP shards) only where ``sharded`` says the caller reads those."""
     if os.path.isdir(path):
         path = os.path.join(path, CHECKPOINT_FILE)
     try:
@@ -68,6 +96,24 @@ def load(path: str, key: str, device: torch.device | str = "cpu") -> dict:
         raise PipelineError(f"{key}: cannot load {path} as weights ({err}).") from err
     if not isinstance(state, dict):
         raise PipelineError(f"{key}: {path} holds no state dict (a mapping of name to tensor).")
+    if SHARDED_KEY in state and not sharded:
+        raise PipelineError(
+            f"{key}: {path} is a sharded checkpoint (scaling.strategy=fsdp): its weights are shards of "
+            "torch.distributed.checkpoint, whose index is a pickle, read only from a run's own storage. Give the "
+            "run's logged model instead (runs:/RUN_ID/model, models:/NAME@ALIAS): its weights are one state dict."
+        )
+    return state
+
+
+def load_whole(directory: str, key: str) -> dict:
+    """A checkpoint of the run's own storage with its model's state dict whole: a sharded one's ``model/``
+    shards gathered into one (on the driver: the logged models are made from these)."""
+    state = load(directory, key, sharded=True)
+    if SHARDED_KEY in state:
+        with tempfile.TemporaryDirectory() as tmp:
+            gathered = os.path.join(tmp, "model.pt")
+            dcp_to_torch_save(os.path.join(directory, SHARDED_DIRS[0]), gathered)
+            state["model"] = torch.load(gathered, weights_only=True)
     return state
 
 

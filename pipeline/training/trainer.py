@@ -95,7 +95,7 @@ def build_trainer(
 
 def saved_checkpoint(storage: RunStorage) -> ray.train.Checkpoint | None:
     """The newest whole checkpoint already in the run's storage (a resumed run's), for the workers to
-    continue from when Ray Train restores an older one or none (:func:`pipeline.training.worker.restored_state`)."""
+    continue from when Ray Train restores an older one or none (:func:`pipeline.training.worker.restore_point`)."""
     path = checkpoint.newest(storage.filesystem, f"{storage.path}/{storage.name}")
     return None if path is None else ray.train.Checkpoint(path, filesystem=storage.filesystem)
 

@@ -1,14 +1,15 @@
-"""Runs in every Ray Train worker process: the DDP training loop, top to bottom.
+"""Runs in every Ray Train worker process: the training loop, top to bottom.
 
 A worker gets the typed config (:class:`WorkerJob`; no Hydra context exists here), streams its shard
-of each split with ``iter_torch_batches``, trains one DDP replica, all-reduces the validation sums
-so every world size reports the same numbers for the same weights, and reports metrics plus a
-checkpoint once per epoch. What the driver does meanwhile is in :mod:`pipeline.training.trainer`.
+of each split with ``iter_torch_batches``, trains its DDP replica or FSDP shard of the model
+(:mod:`pipeline.training.parallel`), all-reduces the validation sums so every world size reports the same
+numbers for the same weights, and reports metrics plus a checkpoint once per epoch, its upload to storage
+overlapping the next epoch (``train.checkpoint_upload``). What the driver does meanwhile is in
+:mod:`pipeline.training.trainer`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
@@ -25,11 +26,13 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
+from ray.train import CheckpointUploadMode
 
+from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import LOSSES
-from pipeline.config import PipelineConfig
+from pipeline.config import PipelineConfig, Strategy
 from pipeline.data.source import Layout
-from pipeline.training import checkpoint, finetune
+from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.checkpoint import autocast_settings, feature_scaler
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
@@ -66,8 +69,8 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
 
-    state = restored_state(device, job.saved)  # a restarted worker group, or a resumed run
-    start, epochs = (state["epoch"] + 1 if state else 0), cfg.train.epochs
+    restore = restore_point(job.saved)  # a restarted worker group, or a resumed run
+    start, epochs = (restore.epoch + 1 if restore else 0), cfg.train.epochs
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
     first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
@@ -75,13 +78,14 @@ def train_loop_per_worker(config: dict) -> None:
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
     stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
-    if state is not None:
-        replica.load_state_dict(state)
+    if restore is not None:
+        state = replica.restore(restore.checkpoint, device)
         if stopper is not None:
             stopper.load_state_dict(state.get("early_stop"))
         if rank == 0:  # the driver counts every restore
             events.put(CheckpointRestored(start, world_size))
     progress = events.put if rank == 0 else None
+    stalled = 0.0  # seconds the last checkpoint held training up
 
     for epoch in range(start, epochs):
         batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
@@ -94,10 +98,13 @@ def train_loop_per_worker(config: dict) -> None:
             "epoch": epoch,
             "rank": rank,
             "weights_sha256": weights_digest(replica.module),
+            "checkpoint_stall_s": stalled,  # the previous epoch's: this one's is not over yet
             **where_this_runs(rank),
             **({"stopped_early": stopped} if stopped else {}),
         }
-        report(metrics, replica.state_dict(epoch, stopper) if rank == 0 else None)  # rank 0 saves for all
+        before = time.perf_counter()
+        report(metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload)
+        stalled = time.perf_counter() - before
         if stopped:
             break
 
@@ -119,7 +126,8 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
 
 @dataclass
 class Replica:
-    """One worker's model (DDP-wrapped) and everything that steps with it."""
+    """One worker's model (a DDP replica or an FSDP shard, :func:`pipeline.training.parallel.parallelize`) and
+    everything that steps with it."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -145,9 +153,9 @@ class Replica:
     ) -> Replica:
         """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
         with ``train.seed`` (every rank alike)."""
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)  # FSDP shards each rank's copy: every rank builds the same weights
         bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
-        model = ray.train.torch.prepare_model(bare)
+        model = parallel.parallelize(bare, cfg.train, cfg.scaling, device)
         optimizer = instantiate(cfg.optim, _partial_=True, _convert_="all")(finetune.param_groups(bare, cfg.finetune))
         for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
             group["lr"] *= group["lr_scale"]
@@ -158,20 +166,22 @@ class Replica:
                 optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg.scheduler, optimizer)
             )
         autocast, scaler = autocast_settings(device, cfg.train)
+        if cfg.scaling.strategy == Strategy.fsdp:  # FSDP's mixed-precision policy casts instead
+            autocast = torch.autocast(device.type, enabled=False)
         layout, recipe = Layout.of(cfg.source), (cfg.train.grad_clip, cfg.train.on_nonfinite)
         task, scale = Task(cfg.task), feature_scaler(cfg.ingest.normalize, statistics, device)
         return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, scale, layout, *recipe)
 
     @property
     def module(self) -> torch.nn.Module:
-        """The bare model, without DDP's wrapper: for evaluation and checkpoints."""
-        return getattr(self.model, "module", self.model)
+        """The model without DDP's wrapper (FSDP's is the model itself): for validation and the weights' digest."""
+        model = self.model
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
     def backward(self, loss: torch.Tensor, accumulate: int, update: bool) -> None:
-        """Add this batch's share of the gradients. DDP all-reduces them in backward; a batch that only
-        accumulates skips that (``no_sync``), so accumulation costs no extra communication."""
-        syncing = update or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        with contextlib.nullcontext() if syncing else self.model.no_sync():
+        """Add this batch's share of the gradients, which are synchronized over the workers only on the batch
+        before an optimizer step (:func:`pipeline.training.parallel.gradient_sync`)."""
+        with parallel.gradient_sync(self.model, update):
             self.scaler.scale(loss / accumulate).backward()
 
     def step(self) -> bool:
@@ -184,7 +194,7 @@ class Replica:
         norm = None
         if self.grad_clip is not None or skipping:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
-        taken = not skipping or bool(torch.isfinite(norm))
+        taken = not skipping or bool(torch.isfinite(parallel.full(norm)))
         if taken:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -193,10 +203,15 @@ class Replica:
         self.optimizer.zero_grad(set_to_none=True)
         return taken
 
-    def state_dict(self, epoch: int, stopper: EarlyStopping | None = None) -> dict:
+    def save(self, directory: str, epoch: int, stopper: EarlyStopping | None, rank: int) -> None:
+        """This epoch's checkpoint into ``directory``: a sharded model's and optimizer's shards from every rank,
+        a replica's whole from rank 0, and rank 0's ``checkpoint.pt`` with the rest."""
+        sharded = parallel.is_sharded(self.model)
+        if sharded:
+            parallel.save_shards(self.model, self.optimizer, directory)
+        if rank != 0:
+            return
         state = {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "epoch": epoch,
@@ -204,19 +219,36 @@ class Replica:
             "classes": self.layout.classes,  # the class names, index order, where labels are names
             "input_example": self.example,
         }
+        if sharded:
+            state[checkpoint.SHARDED_KEY] = list(checkpoint.SHARDED_DIRS)
+        else:
+            state |= {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if stopper is not None:
             state["early_stop"] = stopper.state_dict()
-        return state
+        checkpoint.write_state(state, directory)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def restore(self, saved: ray.train.Checkpoint, device: torch.device) -> dict:
+        """Continue from ``saved`` (written on any number of workers); its state besides the model's."""
+        with saved.as_directory() as path:
+            state = checkpoint.load(path, "the restored checkpoint", device, sharded=True)
+            sharded = checkpoint.SHARDED_KEY in state
+            if sharded != parallel.is_sharded(self.model):
+                raise PipelineError(
+                    f"the checkpoint at {saved.path} was written with scaling.strategy={'fsdp' if sharded else 'ddp'}: "
+                    "resume the run with the strategy it was trained with."
+                )
+            if sharded:
+                parallel.load_shards(self.model, self.optimizer, path)
+            else:
+                self.module.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        return state
 
 
 def train_epoch(
@@ -256,7 +288,7 @@ def train_epoch(
             f"{replica.optimizer.param_groups[0]['lr']:g}). Lower optim.lr, clip the gradients with "
             "train.grad_clip, or skip such steps with train.on_nonfinite=skip."
         )
-    return telemetry.totals()
+    return telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
 
 
 @torch.no_grad()
@@ -277,6 +309,7 @@ def validate(replica: Replica, batches: Iterable[dict]) -> dict:
         for name, value in task.sums(outputs, batch[labels]).items():
             sums[name] += value.double()
         count += rows
+    parallel.reshard(model)
     *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
     values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
     return values | {"val_rows": int(count)}
@@ -291,27 +324,41 @@ def rank0_buffers(model: torch.nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def report(metrics: dict, state: dict | None) -> None:
-    """``ray.train.report`` (a barrier: every rank calls it once per epoch), with ``state`` (rank 0's) as checkpoint."""
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = None
-        if state is not None:
-            checkpoint.save(state, tmp, metrics)
-            saved = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=saved)
+def report(metrics: dict, replica: Replica, epoch: int, stopper: EarlyStopping | None, rank: int, upload: str) -> None:
+    """``ray.train.report`` (a barrier: every rank calls it once per epoch) with the epoch's checkpoint, written
+    to a local directory that Ray Train uploads to storage and then deletes: with ``upload`` async
+    (``train.checkpoint_upload``) in a thread while the next epoch trains. Every rank's files and their sizes go
+    in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`)."""
+    directory = tempfile.mkdtemp(prefix="checkpoint-")
+    replica.save(directory, epoch, stopper, rank)
+    written = {name: size for files in parallel.gathered(checkpoint.files(directory)) for name, size in files.items()}
+    if rank == 0:
+        checkpoint.write_report(directory, metrics, written)
+    saved = None
+    if os.listdir(directory):
+        saved = ray.train.Checkpoint.from_directory(directory)
+    else:  # a replica's rank other than 0: nothing to upload
+        os.rmdir(directory)
+    mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
+    ray.train.report(metrics, checkpoint=saved, checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
 
 
-def restored_state(device: torch.device, saved: ray.train.Checkpoint | None) -> dict | None:
-    """The state training continues from, loaded as weights only: the newer of the checkpoint Ray Train
-    restores (a restarted worker group, or a resumed run) and ``saved``, the newest the storage held when
-    the run started, which Ray never registered when a stop came between its copy and its registration."""
-    states, read = [], set()
-    for found in (ray.train.get_checkpoint(), saved):
-        if found is not None and found.path not in read:  # usually both are the same checkpoint
-            read.add(found.path)
-            with found.as_directory() as path:
-                states.append(checkpoint.load(path, "the restored checkpoint", device))
-    return max(states, key=lambda state: state["epoch"], default=None)
+@dataclass(frozen=True)
+class RestorePoint:
+    checkpoint: ray.train.Checkpoint
+    epoch: int
+
+
+def restore_point(saved: ray.train.Checkpoint | None) -> RestorePoint | None:
+    """Where training continues: the newer of the checkpoint Ray Train restores (a restarted worker group, or
+    a resumed run) and ``saved``, the newest the storage held when the run started, which Ray never registered
+    when a stop came between its copy and its registration. Their reports say their epochs."""
+    points = [
+        RestorePoint(found, checkpoint.read_report(found.filesystem, found.path)["epoch"])
+        for found in (ray.train.get_checkpoint(), saved)
+        if found is not None
+    ]
+    return max(points, key=lambda point: point.epoch, default=None)
 
 
 def train_batches(
@@ -345,8 +392,8 @@ def torch_batches(
 def weights_digest(model: torch.nn.Module) -> str:
     """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
     digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    for param in model.parameters():  # a sharded one gathered whole: the digest does not depend on the strategy
+        digest.update(parallel.full(param.detach()).cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

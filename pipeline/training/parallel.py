@@ -1,0 +1,176 @@
+"""How one model is spread over a worker group, and how a sharded model's state is saved and restored.
+
+In each worker, :func:`parallelize` applies the GPU levers in torchtitan's order: activation checkpointing
+on the model's blocks, then DDP (a whole replica per worker) or FSDP2 (``fully_shard`` per block, then the
+root: each worker holds 1/N of the parameters, gradients and optimizer state), then ``torch.compile`` in
+place (``Module.compile``: the state dict's keys stay the plain module's, without ``_orig_mod.``).
+
+A sharded model's checkpoint is ``torch.distributed.checkpoint`` (DCP) directories, ``model/`` and
+``optimizer/``, each rank writing its own shards; DCP reads them back on any worker count.
+:func:`check_blocks` runs on the driver, before Ray starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hydra.utils import instantiate
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.common.errors import PipelineError
+from pipeline.config import ScalingConfig, Strategy, TrainConfig
+from pipeline.training.checkpoint import SHARDED_DIRS
+
+# train.blocks when null: torchvision's ViT (EncoderBlock), ResNet (BasicBlock, Bottleneck) and MLP (its Linear
+# layers); the outermost ones count, so a ViT's Linear layers stay inside their EncoderBlock's unit
+DEFAULT_BLOCKS = ("EncoderBlock", "BasicBlock", "Bottleneck", "Linear")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def class_names(module: torch.nn.Module) -> set[str]:
+    """The names a block class may be given by: its own, and its dotted path."""
+    kind = type(module)
+    return {kind.__name__, f"{kind.__module__}.{kind.__qualname__}"}
+
+
+def blocks(model: torch.nn.Module, names: list[str] | None) -> list[torch.nn.Module]:
+    """The model's outermost modules whose class is one of ``names`` (``train.blocks``; null: DEFAULT_BLOCKS)."""
+    wanted, found, inside = set(names or DEFAULT_BLOCKS), [], set()
+    for name, module in model.named_modules():
+        if module is not model and class_names(module) & wanted and not any(name.startswith(p) for p in inside):
+            found.append(module)
+            inside.add(f"{name}.")
+    return found
+
+
+def check_blocks(model_cfg: dict, train: TrainConfig, scaling: ScalingConfig) -> None:
+    """On the driver, before Ray starts: the blocks that FSDP shards and activation checkpointing recomputes
+    exist in the model: every name of ``train.blocks``, or, with the default, at least one."""
+    uses_blocks = scaling.strategy == Strategy.fsdp or train.activation_checkpointing
+    if not uses_blocks and train.blocks is None:
+        return
+    model = instantiate(model_cfg, _convert_="all")
+    present = set().union(*(class_names(m) for m in model.modules()))
+    kinds = sorted({type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None})
+    if train.blocks is not None:
+        unknown = [name for name in train.blocks if name not in present]
+        if unknown:
+            raise PipelineError(
+                f"train.blocks: {', '.join(map(repr, unknown))} names no module class of model._target_ "
+                f"{model_cfg['_target_']}. Name its repeated blocks by class name or dotted path; its modules "
+                f"with parameters are: {', '.join(kinds)}."
+            )
+    elif uses_blocks and not blocks(model, None):
+        raise PipelineError(
+            f"train.blocks: model._target_ {model_cfg['_target_']} has none of the default blocks "
+            f"({', '.join(DEFAULT_BLOCKS)}), which scaling.strategy=fsdp shards and train.activation_checkpointing "
+            f"recomputes. Name its repeated blocks, e.g. train.blocks=[{kinds[0] if kinds else 'Block'}]."
+        )
+
+
+def parallelize(model: torch.nn.Module, train: TrainConfig, scaling: ScalingConfig, device: torch.device):
+    """The model on ``device``, ready to train on this worker group: activation checkpointing, DDP or FSDP2,
+    then compiled, as ``train`` and ``scaling`` say. With FSDP and ``train.amp`` on a GPU, FSDP's policy casts
+    the parameters to ``train.amp_dtype`` and reduces gradients in float32 (no autocast is needed then)."""
+    model.to(device)
+    units = blocks(model, train.blocks)
+    if train.activation_checkpointing:
+        for block in units:
+            recompute_in_backward(block)
+    if scaling.strategy == Strategy.fsdp:
+        mesh = init_device_mesh(device.type, (world_size(),))
+        amp = train.amp and device.type == "cuda"
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, str(train.amp_dtype)), reduce_dtype=torch.float32)
+        for block in units + [model]:
+            fully_shard(block, mesh=mesh, mp_policy=policy if amp else MixedPrecisionPolicy())
+    elif world_size() > 1:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if train.compile:
+        model.compile(mode=str(train.compile_mode))
+    return model
+
+
+def recompute_in_backward(block: torch.nn.Module) -> None:
+    """The block's activations are not kept for backward but recomputed there (``torch.utils.checkpoint``):
+    its forward is wrapped in place, so its parameters keep their names."""
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: torch.nn.Module, update: bool):
+    """A context for one batch's backward: gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on
+    the batch whose optimizer step follows, so gradient accumulation costs no extra communication."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(update)
+    elif isinstance(model, DistributedDataParallel) and not update:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """After a forward without backward (validation): FSDP's root keeps its parameters gathered for the backward
+    it expects, which a state dict or the memory figures would then see; shard them again."""
+    if is_sharded(model):
+        model.reshard()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value gathered whole on every rank; any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this worker holds of ``tensors``: its shards' for sharded ones."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This worker's parameter and optimizer-state bytes: FSDP on N workers holds about 1/N of DDP's."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return {"param_bytes": local_bytes(model.parameters()), "optimizer_bytes": local_bytes(state)}
+
+
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Every rank's shards of the model and the optimizer state into ``directory``'s ``model/`` and ``optimizer/``
+    (rank 0 also writes DCP's ``.metadata``): Ray Train merges the ranks' directories into one checkpoint."""
+    states = dict(zip(SHARDED_DIRS, get_state_dict(model, optimizer)))
+    for name, state in states.items():
+        dcp.save(state, checkpoint_id=os.path.join(directory, name))
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """The shards this worker now owns, read from a checkpoint saved on any number of workers."""
+    states = dict(zip(SHARDED_DIRS, get_state_dict(model, optimizer)))
+    for name, state in states.items():
+        dcp.load(state, checkpoint_id=os.path.join(directory, name))
+    set_state_dict(model, optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
+
+
+def gathered(value) -> list:
+    """``value`` from every rank, in rank order (``[value]`` outside a process group)."""
+    if world_size() == 1:
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values

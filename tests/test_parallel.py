@@ -1,0 +1,296 @@
+"""The GPU levers on CPU (gloo): FSDP2 shards, torch.compile, activation checkpointing, sharded checkpoints that
+resume on another worker count, and the configs that combine them wrongly.
+
+The worker-level tests run the pipeline's own Replica in two processes joined by a gloo process group (no Ray);
+the end-to-end ones run whole jobs on 2 Ray Train workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+import ray.train
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from conftest import compose_cfg, free_port, in_process
+from hydra.utils import instantiate
+from mlflow import MlflowClient
+from test_fault_tolerance import assert_each_epoch_once, wait_for_epochs
+from test_pipeline import no_runs_logged, run_cli
+
+from pipeline.common.errors import PipelineError
+from pipeline.config import validate
+from pipeline.training import checkpoint, parallel
+from pipeline.training.worker import Replica, weights_digest
+
+TINY = ["model.num_layers=2", "model.hidden_dim=32", "model.mlp_dim=64"]
+VIT = ["+experiment=smoke", *TINY]
+MLP = ["+experiment=wine_mlp", "scaling.num_workers=2"]
+CPU = torch.device("cpu")
+
+
+def batch(cfg, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank its own batch of 8 rows: uint8 images for the ViT, 13 float features for the MLP."""
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    if "VisionTransformer" in cfg.model["_target_"]:
+        return torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=generator), torch.randint(0, 10, (8,))
+    return torch.randn(8, 13, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+
+
+def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str | None) -> None:
+    """In a process of a gloo group of ``world``: the worker's Replica, restored from ``restore`` when given, two
+    steps on this rank's batches, then its checkpoint (``out/rank<R>``), and rank 0's figures (``out/result.pt``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None)
+        restored = None
+        if restore is not None:
+            replica.restore(ray.train.Checkpoint.from_directory(restore), CPU)
+            restored = {k: parallel.full(v).clone() for k, v in replica.module.state_dict().items()}
+        for step in range(2):
+            features, labels = batch(cfg, rank, step)
+            loss = replica.task.loss(replica.model(replica.scale(features)), labels)
+            replica.backward(loss, 1, True)
+            assert replica.step()
+        memory = parallel.memory(replica.model, replica.optimizer)
+        whole = {k: parallel.full(v) for k, v in replica.module.state_dict().items()}
+        digest = weights_digest(replica.module)
+        directory = os.path.join(out, f"rank{rank}")
+        os.makedirs(directory)
+        replica.save(directory, 0, None, rank)
+        written = parallel.gathered(checkpoint.files(directory))
+        steps = [int(s["step"]) for s in replica.optimizer.state.values()]
+        if rank == 0:
+            torch.save(
+                {
+                    "memory": memory,
+                    "whole": whole,
+                    "restored": restored,
+                    "digest": digest,
+                    "files": written,
+                    "steps": steps,
+                },
+                os.path.join(out, "result.pt"),
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(cfg, world: int, out: Path, restore: Path | None = None) -> dict:
+    out.mkdir(parents=True)
+    mp.spawn(train_and_save, args=(world, free_port(), cfg, str(out), restore and str(restore)), nprocs=world)
+    return torch.load(out / "result.pt", weights_only=True)
+
+
+def merged(out: Path) -> Path:
+    """The ranks' checkpoint directories as Ray Train merges them in storage."""
+    target = out / "merged"
+    for rank_dir in sorted(out.glob("rank*")):
+        shutil.copytree(rank_dir, target, dirs_exist_ok=True)
+    return target
+
+
+def full_bytes(cfg) -> int:
+    return sum(p.numel() * p.element_size() for p in instantiate(cfg.model).parameters())
+
+
+@pytest.mark.parametrize("model", [VIT, MLP], ids=["vit", "mlp"])
+def test_fsdp_holds_half_a_replica_per_worker_and_resumes_on_one(tmp_path, model):
+    """Two FSDP workers each hold about half the parameters and optimizer state; their checkpoint (each rank its
+    shards) restores on one worker to the very weights and optimizer steps, and the driver gathers it whole."""
+    cfg = compose_cfg([*model, "scaling.strategy=fsdp"])
+    two = spawn(cfg, 2, tmp_path / "two")
+    full = full_bytes(cfg)
+    assert 0.3 * full < two["memory"]["param_bytes"] < 0.7 * full, (two["memory"], full)
+    assert 0.6 * full < two["memory"]["optimizer_bytes"] < 1.4 * full  # AdamW: two moments, each half of the model
+    files = {name for written in two["files"] for name in written}
+    assert {"checkpoint.pt", "model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp"} <= files
+    assert {"optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= files
+    saved = merged(tmp_path / "two")
+    whole = checkpoint.load_whole(str(saved), "test")["model"]  # what the logged models are made from
+    assert whole.keys() == two["whole"].keys() and all(torch.equal(whole[k], two["whole"][k]) for k in whole)
+
+    one = spawn(cfg, 1, tmp_path / "one", restore=saved)
+    assert all(torch.equal(one["restored"][k], two["whole"][k]) for k in whole)
+    assert one["steps"] and set(one["steps"]) == {4}  # two steps before the checkpoint, two after
+    assert one["memory"]["param_bytes"] == full
+
+
+def test_a_sharded_checkpoint_is_refused_where_a_user_names_weights(tmp_path):
+    """finetune.weights and predict.checkpoint read weights only (no pickle): a sharded checkpoint's DCP index is
+    one, so they point the user at the run's logged model."""
+    cfg = compose_cfg([*MLP, "scaling.strategy=fsdp"])
+    spawn(cfg, 2, tmp_path / "two")
+    with pytest.raises(PipelineError, match=r"finetune.weights: .* is a sharded checkpoint .* \(runs:/RUN_ID/model"):
+        checkpoint.load(str(merged(tmp_path / "two")), "finetune.weights")
+
+
+@pytest.mark.slow  # compiling takes 20-40 s a model on 2 cores
+@pytest.mark.parametrize("model", [VIT, MLP], ids=["vit", "mlp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_compiled_model_trains_and_its_checkpoint_has_the_plain_keys(tmp_path, model, strategy):
+    cfg = compose_cfg(
+        [*model, "train.compile=true", f"scaling.strategy={strategy}", "train.activation_checkpointing=true"]
+    )
+    two = spawn(cfg, 2, tmp_path / "two")
+    plain = instantiate(cfg.model).state_dict().keys()
+    assert two["whole"].keys() == plain  # no _orig_mod. prefix
+    saved = merged(tmp_path / "two")
+    assert checkpoint.load_whole(str(saved), "test")["model"].keys() == plain
+    one = spawn(cfg, 1, tmp_path / "one", restore=saved)
+    assert all(torch.equal(one["restored"][k], two["whole"][k]) for k in plain)
+
+
+def test_blocks_are_the_outermost_modules_of_the_named_classes():
+    vit = torchvision.models.VisionTransformer(32, 4, 2, 2, 32, 64, num_classes=10)
+    found = parallel.blocks(vit, None)
+    assert [type(b).__name__ for b in found] == ["EncoderBlock", "EncoderBlock", "Linear"]  # the head
+    resnet = torchvision.models.resnet18(num_classes=3)
+    assert [type(b).__name__ for b in parallel.blocks(resnet, None)] == ["BasicBlock"] * 8 + ["Linear"]
+    mlp = torchvision.ops.MLP(13, [64, 64, 3])
+    assert [type(b).__name__ for b in parallel.blocks(mlp, None)] == ["Linear"] * 3
+    dotted = "torchvision.models.vision_transformer.MLPBlock"
+    assert [type(b).__name__ for b in parallel.blocks(vit, [dotted])] == ["MLPBlock"] * 2
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """Recomputing the blocks' activations in backward changes memory, not the numbers."""
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = torchvision.models.VisionTransformer(32, 4, 2, 2, 32, 64, num_classes=10)
+        if recompute:
+            for block in parallel.blocks(model, None):
+                parallel.recompute_in_backward(block)
+        model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))).sum().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.compile_mode=max-autotuned"], r"train.compile_mode: expected one of default, reduce-overhead, max-"),
+        (["scaling.strategy=zero3"], r"scaling.strategy: expected one of ddp, fsdp, got 'zero3'"),
+        (
+            ["scaling.strategy=fsdp", "train.amp=true", "train.amp_dtype=float16"],
+            r"scaling.strategy=fsdp casts to train.amp_dtype .* Set train.amp_dtype=bfloat16",
+        ),
+        (["train.blocks=[]"], r"train.blocks must be null or a non-empty list"),
+    ],
+)
+def test_wrong_lever_settings_name_the_key(overrides, message):
+    with pytest.raises(PipelineError, match=message):
+        validate(compose_cfg(overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["scaling.strategy=fsdp", "train.blocks=[EncoderBlok]"],
+            "train.blocks: 'EncoderBlok' names no module class of model._target_ torchvision.models.VisionTransformer",
+        ),
+        (
+            ["train.activation_checkpointing=true", "train.blocks=[Bottleneck]"],
+            "'Bottleneck' names no module class of model._target_ torchvision.models.VisionTransformer",
+        ),
+    ],
+)
+def test_blocks_missing_from_the_model_fail_before_ray_starts(tmp_path, data_root, overrides, message):
+    result = run_cli(["+experiment=smoke", *overrides], tmp_path, data_root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert message in output and "Traceback" not in output and "Ray runtime up" not in output
+    assert no_runs_logged(tmp_path)
+
+
+def test_the_default_blocks_must_be_found_when_a_lever_needs_them():
+    cfg = compose_cfg(["scaling.strategy=fsdp"])
+    model = {"_target_": "torchvision.models.squeezenet1_0", "num_classes": 10}
+    with pytest.raises(PipelineError, match=r"has none of the default blocks .* e.g. train.blocks=\[Conv2d\]"):
+        parallel.check_blocks(model, cfg.train, cfg.scaling)
+
+
+# ---- whole jobs on 2 Ray Train workers ----------------------------------------------------------------
+
+
+def the_run(tmp_path: Path, experiment: str = "smoke", name: str | None = None):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, next(r for r in runs if name is None or r.info.run_name == name)
+
+
+@pytest.mark.slow
+def test_a_compiled_fsdp_vit_logs_a_model_mlflow_loads_alone_and_a_fine_tune_starts_from_it(
+    tmp_path, data_root, ray_runtime, monkeypatch
+):
+    """FSDP + torch.compile + activation checkpointing on 2 workers: the run logs each worker's share of the
+    parameters; its LoggedModel (gathered from the shards) loads with MLflow alone and predicts as the run's weights
+    do; and a DDP run fine-tunes from its models:/ URI."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    store = f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # the runs' store, and where MLflow loads the model from
+    levers = ["scaling.strategy=fsdp", "train.compile=true", "train.activation_checkpointing=true"]
+    metrics, _ = in_process(tmp_path, "fsdp", [*TINY, *levers, "train.epochs=2", "tracking.run_name=fsdp"])
+    client, run_info = the_run(tmp_path, name="fsdp")
+    assert run_info.info.status == "FINISHED" and metrics["val_accuracy"] > 0.2  # 10 classes: chance is 0.1
+    cfg = compose_cfg(VIT)
+    full = full_bytes(cfg)
+    assert 0.3 * full < run_info.data.metrics["param_bytes"] < 0.7 * full
+    assert run_info.data.metrics["optimizer_bytes"] > 0.6 * full
+
+    model_id = run_info.data.tags["pipeline.model_id"]
+    served = mlflow.pytorch.load_model(f"models:/{model_id}")
+    weights = torch.load(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_info.info.run_id, artifact_path="model/state_dict.pt", tracking_uri=client.tracking_uri
+        ),
+        weights_only=True,
+    )
+    model = instantiate(cfg.model)
+    model.load_state_dict(weights)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+    scale = checkpoint.feature_scaler(cfg.ingest.normalize, None, CPU)
+    with torch.no_grad():
+        assert torch.allclose(served(images), model.eval()(scale(images)), atol=1e-5)
+
+    tuned, _ = in_process(tmp_path, "tuned", [*TINY, f"finetune.weights=models:/{model_id}", "tracking.run_name=tuned"])
+    _, tuned_run = the_run(tmp_path, name="tuned")
+    assert (
+        tuned_run.info.status == "FINISHED" and f"models:/{model_id}" in tuned_run.data.tags["pipeline.start_weights"]
+    )
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_root, ray_runtime, monkeypatch):
+    """A worker SIGKILLed during epoch 2 fails the 2-worker FSDP run; resumed on 1 worker it continues from epoch
+    1's sharded checkpoint (DCP reshards it) and finishes, each epoch in MLflow once."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+
+    def kill_a_worker() -> None:
+        wait_for_epochs(tmp_path / "run", 1)
+        workers = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
+        psutil.Process(next(w["pid"] for w in workers if w["rank"] == 1)).kill()
+
+    run = [*TINY, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
+    killer = threading.Thread(target=kill_a_worker, daemon=True)
+    killer.start()
+    with pytest.raises(PipelineError):
+        in_process(tmp_path, "run", run)
+    killer.join(timeout=5)
+    metrics, _ = in_process(tmp_path, "resumed", [*run, "train.resume=true", "scaling.num_workers=1"])
+    client, run_info = the_run(tmp_path, name="sharded")
+    assert run_info.info.status == "FINISHED" and metrics["workers"] == 1
+    assert_each_epoch_once(client, run_info.info.run_id, 3)
+    restores = client.get_metric_history(run_info.info.run_id, "restores")
+    assert [r.step for r in restores] in ([1], [2])
