@@ -64,11 +64,10 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
             env={**os.environ, **(env or {})},
         )
     wall = time.perf_counter() - start
-    client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
-    run = client.search_runs([e.experiment_id for e in client.search_experiments()], order_by=["start_time DESC"])[0]
+    client, run = last_run(outputs)
 
     def history(key: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+        return metric_history(client, run, key)
 
     return {
         "samples_s": [round(v) for v in history("train_throughput")],
@@ -78,6 +77,18 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "wall_s": round(wall, 1),
     }
+
+
+def last_run(outputs: Path):
+    """The MLflow client of the store in ``outputs`` and the newest run there."""
+    client = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client, client.search_runs(experiments, order_by=["start_time DESC"])[0]
+
+
+def metric_history(client: MlflowClient, run, key: str) -> list[float]:
+    """A run's values of ``key``, by step."""
+    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
 
 
 def ray_floor(overrides: list[str]) -> float:

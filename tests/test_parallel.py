@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import mlflow
@@ -47,7 +48,8 @@ def batch(cfg, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str | None) -> None:
     """In a process of a gloo group of ``world``: the worker's Replica, restored from ``restore`` when given, two
-    steps on this rank's batches, then its checkpoint (``out/rank<R>``), and rank 0's figures (``out/result.pt``)."""
+    optimizer steps on this rank's batches (two accumulated per step, gradients clipped when the config says),
+    then its checkpoint (``out/rank<R>``), and rank 0's figures (``out/result.pt``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -56,10 +58,11 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
         if restore is not None:
             replica.restore(ray.train.Checkpoint.from_directory(restore), CPU)
             restored = {k: parallel.full(v).clone() for k, v in replica.module.state_dict().items()}
-        for step in range(2):
-            features, labels = batch(cfg, rank, step)
-            loss = replica.task.loss(replica.model(replica.scale(features)), labels)
-            replica.backward(loss, 1, True)
+        for step in range(2):  # two optimizer steps, each on two accumulated batches
+            for micro in range(2):
+                features, labels = batch(cfg, rank, 2 * step + micro)
+                loss = replica.task.loss(replica.model(replica.scale(features)), labels)
+                replica.backward(loss, 2, update=micro == 1)
             assert replica.step()
         memory = parallel.memory(replica.model, replica.optimizer)
         whole = {k: parallel.full(v) for k, v in replica.module.state_dict().items()}
@@ -105,10 +108,14 @@ def full_bytes(cfg) -> int:
 
 @pytest.mark.parametrize("model", [VIT, MLP], ids=["vit", "mlp"])
 def test_fsdp_holds_half_a_replica_per_worker_and_resumes_on_one(tmp_path, model):
-    """Two FSDP workers each hold about half the parameters and optimizer state; their checkpoint (each rank its
-    shards) restores on one worker to the very weights and optimizer steps, and the driver gathers it whole."""
-    cfg = compose_cfg([*model, "scaling.strategy=fsdp"])
+    """Two FSDP workers train to the weights two DDP replicas reach (clipped, accumulated gradients), each holding
+    about half the parameters and optimizer state; their checkpoint (each rank its shards) restores on one worker to
+    the very weights and optimizer steps, and the driver gathers it whole."""
+    cfg = compose_cfg([*model, "scaling.strategy=fsdp", "train.grad_clip=0.5"])
     two = spawn(cfg, 2, tmp_path / "two")
+    replicas = spawn(replace(cfg, scaling=replace(cfg.scaling, strategy="ddp")), 2, tmp_path / "ddp")
+    for name, weights in replicas["whole"].items():  # the same training, sharded or replicated
+        assert torch.allclose(two["whole"][name], weights, atol=1e-5), name
     full = full_bytes(cfg)
     assert 0.3 * full < two["memory"]["param_bytes"] < 0.7 * full, (two["memory"], full)
     assert 0.6 * full < two["memory"]["optimizer_bytes"] < 1.4 * full  # AdamW: two moments, each half of the model
