@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig, Strategy, TrainConfig
-from pipeline.training.checkpoint import SHARDED_DIRS
+from pipeline.training.checkpoint import SHARDED_DIRS, amp_plan
 
 # train.blocks when null: torchvision's ViT (EncoderBlock), ResNet (BasicBlock, Bottleneck) and MLP (its Linear
 # layers); the outermost ones count, so a ViT's Linear layers stay inside their EncoderBlock's unit
@@ -91,10 +91,10 @@ def parallelize(model: torch.nn.Module, train: TrainConfig, scaling: ScalingConf
             recompute_in_backward(block)
     if scaling.strategy == Strategy.fsdp:
         mesh = init_device_mesh(device.type, (world_size(),))
-        amp = train.amp and device.type == "cuda"
-        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, str(train.amp_dtype)), reduce_dtype=torch.float32)
+        amp, dtype, _ = amp_plan(device.type, train)  # float16 with FSDP is refused before Ray starts (checks.py)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
         for block in units + [model]:
-            fully_shard(block, mesh=mesh, mp_policy=policy if amp else MixedPrecisionPolicy())
+            fully_shard(block, mesh=mesh, mp_policy=policy)
     elif world_size() > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if train.compile:

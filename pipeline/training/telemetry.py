@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.common.metrics import LOSSES
+from pipeline.training.parallel import world_size
 
 
 class EpochTelemetry:
@@ -60,7 +61,7 @@ class EpochTelemetry:
             "train_rows": int(rows),
             "data_wait_fraction": waited / max(ran, 1e-9),
             "skipped_steps": self.skipped,  # the same on every rank: they all see the all-reduced gradients
-            "workers": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+            "workers": world_size(),
         }
 
 

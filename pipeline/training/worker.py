@@ -319,7 +319,7 @@ def rank0_buffers(model: torch.nn.Module) -> None:
     """Rank 0's buffers (BatchNorm's running statistics) on every rank, so that validation scores the model rank 0
     checkpoints: DDP broadcasts them before each training forward, and each rank's own last batch then moves its
     copy apart (a no-op outside a process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if parallel.world_size() > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
 
