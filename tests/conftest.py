@@ -221,23 +221,30 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
 
 @contextlib.contextmanager
 def in_block_order(epoch: int = 0):
-    """An epoch counter at ``epoch`` for datasets read in block order, as ingest.preserve_order=true runs
-    (without it Ray Data hands blocks on as their tasks finish, which a busy machine reorders); the order
-    option is put back and the counter ended afterwards. Claims about the order of rows need it."""
+    """A job's data coordinator at ``epoch`` for datasets read in block order, as ingest.preserve_order=true
+    runs (without it Ray Data hands blocks on as their tasks finish, which a busy machine reorders); the order
+    option is put back and the coordinator ended afterwards. Claims about the order of rows need it."""
     import ray
     import ray.data
 
     from pipeline.data import preprocess
 
     options = ray.data.DataContext.get_current().execution_options
-    counter, kept = preprocess.EpochCounter.remote(), options.preserve_order
-    ray.get(counter.set.remote(epoch))
+    coordinator, kept = preprocess.start_coordinator(), options.preserve_order
+    ray.get(coordinator.set_epoch.remote(epoch))
     options.preserve_order = True
     try:
-        yield counter
+        yield coordinator
     finally:
         options.preserve_order = kept
-        ray.kill(counter)
+        ray.kill(coordinator)
+
+
+def row_groups(split):
+    """A split's row groups, as a job plans its datasets from them."""
+    from pipeline.data import pieces
+
+    return pieces.row_groups(split.files, split.filesystem, None)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import compose_cfg, in_block_order, write_split
+from conftest import compose_cfg, in_block_order, row_groups, write_split
 from test_own_data import write_sorted_and_shuffled
 
 from pipeline.common.errors import PipelineError
@@ -78,8 +78,8 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     split = source.prepare(cfg.source)["valid"]
     split.steps = cfg.transforms.active("valid")
     streamed = rows_of(preprocess.dataset(split, split.steps, ["image", "label"], cfg.source))
-    with in_block_order() as counter:
-        ds, cache = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, None, 3200)
+    with in_block_order() as coordinator:
+        ds, cache = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, None, 3200)
         cached = rows_of(ds)
     table = pq.read_table(split.files)
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
@@ -96,10 +96,10 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
 
     split.steps = {"decode": cfg.transforms.train["decode"]}
     passes = []
-    with in_block_order() as counter:
-        ds, _ = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, 0, 3200)
+    with in_block_order() as coordinator:
+        ds, _ = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, 0, 3200)
         for epoch in epochs:
-            ray.get(counter.set.remote(epoch))
+            ray.get(coordinator.set_epoch.remote(epoch))
             passes.append(rows_of(ds))
     return passes
 

@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import compose_cfg, in_block_order, write_split
+from conftest import compose_cfg, in_block_order, row_groups, write_split
 from mlflow import MlflowClient
 from PIL import Image
 from test_pipeline import no_runs_logged, run_cli
@@ -223,19 +223,14 @@ def test_a_validation_label_the_training_split_lacks_fails_naming_it_file_and_ro
 def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[bytes, int]]:
     """The training split's rows (image bytes, label) in their order at ``epoch``, as a worker's pass
     would see them from a dataset built anew."""
-    import ray
+    from pipeline.data import preprocess
 
-    from pipeline.data import preprocess, stream
-
-    with in_block_order(epoch) as counter:
-        reader = stream.StreamReader.remote()
-        try:
-            ds, _ = preprocess.streamed_dataset(
-                split, "train", ["image", "label"], cfg.source, counter, cfg.train.seed, 2**30, reader
-            )
-            return [(row["image"], row["label"]) for row in ds.take_all()]
-        finally:
-            ray.kill(reader)
+    with in_block_order(epoch) as coordinator:
+        groups = row_groups(split)
+        ds, _ = preprocess.streamed_dataset(
+            split, "train", groups, ["image", "label"], coordinator, cfg.train.seed, 2**30
+        )
+        return [(row["image"], row["label"]) for row in ds.take_all()]
 
 
 def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path, ray_runtime):

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import compose_cfg, in_block_order, jpeg, write_split
+from conftest import compose_cfg, in_block_order, jpeg, row_groups, write_split
 
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps, stream
@@ -39,26 +39,22 @@ def stored_rows(split: source.Split) -> dict[bytes, str]:
 def streamed_epochs(cfg, split: source.Split, epochs: list[int], budget: int) -> tuple[list[list[bytes]], int]:
     """The split's rows (image bytes) per epoch, in block order, as the streamed dataset gives them, and the
     number of windows each epoch is cut into."""
-    reader = stream.StreamReader.remote()
-    with in_block_order() as counter:
-        try:
-            ds, streamed = preprocess.streamed_dataset(
-                split, "train", ["image", "label"], cfg.source, counter, 7, budget, reader
-            )
-            out = []
-            for epoch in epochs:
-                ray.get(counter.set.remote(epoch))
-                out.append([row["image"] for row in ds.take_all()])
-            return out, streamed.windows.first
-        finally:
-            ray.kill(reader)
+    with in_block_order() as coordinator:
+        ds, streamed = preprocess.streamed_dataset(
+            split, "train", row_groups(split), ["image", "label"], coordinator, 7, budget
+        )
+        out = []
+        for epoch in epochs:
+            ray.get(coordinator.set_epoch.remote(epoch))
+            out.append([row["image"] for row in ds.take_all()])
+        return out, streamed.windows.first
 
 
 def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_at_random(tmp_path, ray_runtime):
     """Every row once an epoch, a new order each epoch; each window's rows, mixed among themselves, come out
     before the next window's, and a window holds the row groups the epoch's order draws for it."""
     cfg, split = row_groups_split(tmp_path, files=6)
-    total = sum(group.bytes for group in pieces.row_groups(split.files, split.filesystem, None))
+    total = sum(group.bytes for group in row_groups(split))
     (first, second), windows = streamed_epochs(cfg, split, [0, 1], budget=-(-total // 3))
     stored = stored_rows(split)
     assert windows == 3 and sorted(first) == sorted(second) == sorted(stored) and first != second
@@ -69,23 +65,35 @@ def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_a
             assert len({stored[image] for image in rows[at : at + 16]}) == 2
 
 
-def test_the_stream_reader_holds_the_window_read_and_the_next_and_lets_go_of_those_passed(tmp_path, ray_runtime):
+def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_each_of_its_tasks_has_asked(tmp_path, ray_runtime):
+    """Asked for a window, the coordinator has it read and the next one with it; it lets a window go once all
+    three of its tasks have asked (theirs hold its pieces); an epoch left behind goes; a task retried after its
+    window went has it read again, for itself."""
     cfg, split = row_groups_split(tmp_path, files=4)
-    groups = pieces.row_groups(split.files, split.filesystem, None)
-    reader = stream.StreamReader.remote()
+    coordinator = preprocess.start_coordinator()
+
+    def held() -> list[int]:
+        return ray.get(coordinator.holding.remote("train"))
+
     try:
-        plan = stream.Plan(groups, split.filesystem, ["image", "label"], 0, 4, 12)
-        ray.get(reader.prefetch.remote("train", plan))
-        assert ray.get(reader.holding.remote("train")) == [0]  # the first window, read at once
-        ray.get(reader.window.remote("train", plan, 0, 0))  # the first of window 0's three tasks: no read ahead
-        assert ray.get(reader.holding.remote("train")) == [0]
-        ray.get(reader.window.remote("train", plan, 0, 0))  # two of three have asked: the next window is read
-        assert ray.get(reader.holding.remote("train")) == [0, 1]
-        refs, sizes = ray.get(reader.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
-        assert ray.get(reader.holding.remote("train")) == [6]
+        plan = stream.Plan(row_groups(split), split.filesystem, ["image", "label"], 0, 4, 12, {})
+        ray.get(coordinator.prefetch.remote("train", plan))
+        assert held() == [0]  # the first window, read at once
+        ray.get(coordinator.window.remote("train", plan, 0, 0))
+        assert held() == [0, 1]  # and the next, read ahead
+        ray.get(coordinator.window.remote("train", plan, 0, 1))
+        assert held() == [0, 1, 2]
+        ray.get([coordinator.window.remote("train", plan, 0, 0) for _ in range(2)])  # window 0's other two tasks
+        assert held() == [1, 2]
+        refs, sizes = ray.get(coordinator.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
+        assert held() == [2, 6, 7]  # epoch 0's window 1, more than an epoch behind, went
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16
+        refs, sizes = ray.get(coordinator.window.remote("train", plan, 0, 0))  # a retried task of window 0
+        assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16  # read again for it
+        assert held() == [2, 6, 7]
+        assert sum(ray.get(coordinator.reads.remote()).values()) > 0  # the bytes read, by node
     finally:
-        ray.kill(reader)
+        ray.kill(coordinator)
 
 
 def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time(tmp_path, ray_runtime):
@@ -93,11 +101,11 @@ def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time
     the first window, not the whole cache); epoch 1 is one window: a full shuffle of every row."""
     cfg, split = row_groups_split(tmp_path, files=16, rows=8)
     split.steps = {"decode": cfg.transforms.train["decode"]}
-    with in_block_order() as counter:
-        ds, cache = preprocess.cached_dataset(split, ["image", "label"], cfg.source, counter, 5, 3200)
+    with in_block_order() as coordinator:
+        ds, cache = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, 5, 3200)
         passes = []
         for epoch in (0, 1):
-            ray.get(counter.set.remote(epoch))
+            ray.get(coordinator.set_epoch.remote(epoch))
             passes.append([np.asarray(row["image"]).tobytes() for row in ds.take_all()])
     decode = steps.Steps(split.steps, [])
     file_of = {}

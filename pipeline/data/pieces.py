@@ -2,13 +2,13 @@
 mechanism under both the ingest cache (:mod:`pipeline.data.cache`: pieces decoded once and kept for the run) and
 the streamed shuffle (:mod:`pipeline.data.stream`: pieces of raw rows read anew each epoch, a window at a time).
 
-A piece is one Ray object: a parquet row group, or part of one, as read (and, for the cache, prepared). An
-epoch puts the row groups in a seeded order and cuts that order into *windows*; each window's rows are mixed
-by a seeded permutation, and the epoch's tasks, a run of consecutive ones per window, each take an equal
-share of it and gather those rows from the window's pieces (on one node Ray maps them from its shared
-memory without copying; on a cluster a node fetches the pieces it needs). There is no all-to-all pass: a
-window's rows leave as soon as its pieces exist, and a window that holds every row is a DataLoader's full
-shuffle. Without a seed, the stored order.
+A piece is one Ray object: a parquet row group, or part of one, as read (and, for the cache, prepared), in the
+object store of the node whose task made it. An epoch puts the row groups in a seeded order and cuts that order
+into *windows*; each window's rows are mixed by a seeded permutation, and the epoch's tasks, a run of
+consecutive ones per window, each take an equal share of it and gather those rows from the window's pieces (on
+one node Ray maps them from its shared memory without copying; on a cluster a node fetches the pieces it needs).
+There is no all-to-all pass: a window's rows leave as soon as its pieces exist, and a window that holds every
+row is a DataLoader's full shuffle. Without a seed, the stored order.
 """
 
 from __future__ import annotations
@@ -133,15 +133,17 @@ CHUNKS_PER_TASK = 8  # a task hands on its rows in about this many batches (fewe
 
 
 def dataset(
-    source: Source, windows: Windows, tasks: int, seed: int | None, then: Callable, seeded: Callable, options: dict
+    source: Source, windows: Windows, tasks: int, seed: int | None, then: Callable, coordinator, options: dict
 ) -> ray.data.Dataset:
     """A lazy dataset of ``tasks`` tasks per epoch that gather each epoch's rows from ``source``'s pieces, a
     window at a time, mixed with ``seed``, and hand them on through ``then(batch, epoch)`` (the steps that
-    run every epoch, in the same process: no copy between them). ``seeded`` binds the training epoch
-    (:func:`pipeline.data.steps.seeded`); ``options``: the tasks' Ray options (CPUs, where they may run)."""
+    run every epoch, in the same process: no copy between them). Each task asks ``coordinator``
+    (:class:`pipeline.data.coordinator.Coordinator`) for the training epoch once; ``options``: the tasks' Ray
+    options (CPUs, where they may run)."""
     tasks = max(tasks, windows.first, windows.later)
 
-    def epoch_part(batch: Batch, epoch: int = 0) -> Iterator[Batch]:
+    def epoch_part(batch: Batch) -> Iterator[Batch]:
+        epoch = ray.get(coordinator.get_epoch.remote())
         count = windows.count(epoch)
         window, part, parts = task_share(int(batch["id"][0]), tasks, count)
         refs, sizes = source.window(epoch, window, count)
@@ -158,5 +160,5 @@ def dataset(
         for cut in np.array_split(np.arange(len(mine)), max(1, min(len(needed), CHUNKS_PER_TASK))):
             yield then(source.take(found, piece_of[cut], mine[cut] - starts[piece_of[cut]]), epoch)
 
-    ds = ray.data.range(tasks, override_num_blocks=tasks).map_batches(seeded(epoch_part), batch_size=None, **options)
+    ds = ray.data.range(tasks, override_num_blocks=tasks).map_batches(epoch_part, batch_size=None, **options)
     return workarounds.streamed_blocks(ds)

@@ -1,13 +1,12 @@
 """Transforms stage (built on the driver, run in Ray tasks and actors): each split's dataset, its configured
 steps (:mod:`pipeline.data.steps`) chained on, read one of two ways: cached (:mod:`pipeline.data.cache`: the steps that
 run once, kept in Ray's object store) or streamed (:mod:`pipeline.data.stream`: read anew every epoch), the
-training split in a seeded order, new every epoch; what decides between them (``ingest.cache``); and
-prediction's rows, read by Ray Data in their stored order.
+training split in a seeded order, new every epoch; what decides between them (``ingest.cache``), sized to the
+object stores of the nodes that preprocess; and prediction's rows, read by Ray Data in their stored order.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,61 +16,54 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.common import workarounds
 from pipeline.common.errors import PipelineError
 from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
 from pipeline.data import cache, pieces, source, stream
-from pipeline.data.steps import (
-    Steps,
-    apply,
-    cached_steps,
-    is_class,
-    placement,
-    read_placement,
-    read_steps,
-    seeded,
-    streamed,
-)
-
-
-@ray.remote(num_cpus=0)
-class EpochCounter:
-    """The training epoch now being read: set by the training workers, read by the transforms."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def get(self) -> int:
-        return self.epoch
+from pipeline.data.coordinator import Coordinator
+from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed
+from pipeline.runtime.cluster import placeable_nodes
 
 
 @dataclass
 class TrainingData:
     """What the training workers read: each split's lazy dataset, its row count (from the parquet
-    footers, capped by ``source.limit``), the epoch counter its seeded steps follow, with
-    ``ingest.standardize`` the training features' mean and std, and the cache (see ``plan``)."""
+    footers, capped by ``source.limit``), the job's coordinator (the epoch its seeded steps follow, the
+    streams' windows), with ``ingest.standardize`` the training features' mean and std, and the cache (see
+    ``plan``)."""
 
     datasets: dict[str, ray.data.Dataset]
     rows: dict[str, int]
-    epoch_counter: Any  # an EpochCounter actor handle
+    coordinator: Any  # a pipeline.data.coordinator.Coordinator actor handle
     statistics: dict | None = None
     plan: CachePlan | None = None
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
     streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream, with the plan off
-    reader: Any = None  # the stream.StreamReader actor the streams share
 
     def __enter__(self) -> TrainingData:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        """The job is over: its epoch counter and stream reader go (the datasets' tasks end with their job)."""
-        for actor in (self.epoch_counter, self.reader):
-            if actor is not None:
-                ray.kill(actor)
+        """The job is over: its coordinator goes, and the pieces it holds with it (the datasets' tasks end with
+        their job)."""
+        ray.kill(self.coordinator)
+
+    def reads(self) -> str | None:
+        """Where the streamed splits were read so far: each node's share of the bytes (None: nothing streamed)."""
+        by_node = ray.get(self.coordinator.reads.remote())
+        total = sum(by_node.values())
+        if not total:
+            return None
+        shares = ", ".join(f"{node[:8]} {size / total:.0%}" for node, size in sorted(by_node.items()))
+        return f"{total / 2**20:,.0f} MiB read on {len(by_node)} node(s): {shares}"
+
+
+def start_coordinator() -> Any:
+    """The job's coordinator, on this process's node: it owns what the streams read, and goes with the job."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Coordinator.options(scheduling_strategy=here).remote()
 
 
 @dataclass
@@ -108,27 +100,25 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
     once are submitted now, as Ray tasks, and training reads their output as it comes; a split that is not
     cached is streamed (:mod:`pipeline.data.stream`), its first window read now. Only ``ingest.standardize``
     waits, for its pass over the training split: a transform that fails there fails the job here, in one line
-    naming the cause. Use it as a context manager: leaving the ``with`` block ends the epoch counter and the
-    stream reader."""
-    src, counter, ingest = cfg.source, EpochCounter.remote(), cfg.ingest
+    naming the cause. Use it as a context manager: leaving the ``with`` block ends the job's coordinator."""
+    src, ingest = cfg.source, cfg.ingest
     layout = splits["train"].layout
     columns = [layout.model_input, layout.label]
     seed = cfg.train.seed if ingest.shuffle else None
     plan = plan or cache_plan(cfg, splits)
-    data = TrainingData({}, {name: split.rows for name, split in splits.items()}, counter, plan=plan)
+    data = TrainingData({}, {name: split.rows for name, split in splits.items()}, start_coordinator(), plan=plan)
     try:
         for name, split in splits.items():
             shuffle = seed if name == "train" else None
+            groups = pieces.row_groups(split.files, split.filesystem, src.limit)
             if plan.on:
-                data.datasets[name], data.caches[name] = cached_dataset(
-                    split, columns, src, counter, shuffle, plan.row_bytes[name]
+                built = cached_dataset(split, groups, columns, data.coordinator, shuffle, plan.row_bytes[name])
+                data.datasets[name], data.caches[name] = built
+            else:
+                streaming = streamed_dataset(
+                    split, name, groups, columns, data.coordinator, shuffle, plan.capacity_bytes // 3
                 )
-                continue
-            if data.reader is None:
-                data.reader = stream.StreamReader.options(**read_placement(split.steps)).remote()
-            data.datasets[name], data.streams[name] = streamed_dataset(
-                split, name, columns, src, counter, shuffle, plan.capacity_bytes // 3, data.reader
-            )
+                data.datasets[name], data.streams[name] = streaming
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
             data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
@@ -148,7 +138,6 @@ def dataset(
     steps: dict[str, TransformSpec],
     columns: list[str],
     source_cfg: SourceConfig,
-    epoch_counter=None,
 ):
     """``split`` read lazily (as ``source.*`` says) in its stored order, numeric feature columns stacked into
     one vector, spread over at least one block per CPU, with ``steps`` chained on: every step runs every
@@ -162,40 +151,41 @@ def dataset(
     blocks = max(len(split.files), int(ray.cluster_resources().get("CPU", 1)))
     if source_cfg.task_per_file and blocks > len(split.files):  # few, large files: still several tasks at once
         ds = ds.repartition(blocks)
-    return apply(ds, steps, columns, epoch_counter)
+    return apply(ds, steps, columns)
 
 
 def streamed_dataset(
     split: source.Split,
     name: str,
+    groups: list[pieces.RowGroup],
     columns: list[str],
-    source_cfg: SourceConfig,
-    epoch_counter,
+    coordinator,
     shuffle_seed: int | None,
     budget: int,
-    reader,
 ) -> tuple[ray.data.Dataset, stream.Stream]:
-    """``split`` (called ``name``) read anew every epoch by ``reader`` (:mod:`pipeline.data.stream`), in a new
-    order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a time,
-    every step run as its rows are gathered. ``columns`` as :func:`dataset`'s."""
-    steps = streamed(split.steps)
-    groups = pieces.row_groups(split.files, split.filesystem, source_cfg.limit)
+    """``split`` (called ``name``, its row ``groups``) read anew every epoch (:mod:`pipeline.data.stream`), in a
+    new order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a
+    time read by tasks where the split's first step may run, every step run as its rows are gathered.
+    ``columns`` as :func:`dataset`'s."""
+    steps, where = streamed(split.steps), read_placement(split.steps)
     columns_read = [*split.layout.inputs, *columns[1:]]
-    streaming = stream.open_stream(reader, name, groups, split.filesystem, columns_read, shuffle_seed, budget)
-    return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, epoch_counter), streaming
+    streaming = stream.open_stream(
+        coordinator, name, groups, split.filesystem, columns_read, shuffle_seed, budget, where
+    )
+    return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator), streaming
 
 
 def cached_dataset(
     split: source.Split,
+    groups: list[pieces.RowGroup],
     columns: list[str],
-    source_cfg: SourceConfig,
-    epoch_counter,
+    coordinator,
     shuffle_seed: int | None,
     row_bytes: float,
 ) -> tuple[ray.data.Dataset, cache.Cache]:
-    """``split`` with its steps that run once submitted now as Ray tasks (:mod:`pipeline.data.cache`), and a
-    lazy dataset that reads their output each epoch, mixed with ``shuffle_seed``, with the per-epoch steps
-    chained on. ``columns`` as :func:`dataset`'s."""
+    """``split`` (its row ``groups``) with its steps that run once submitted now as Ray tasks
+    (:mod:`pipeline.data.cache`), and a lazy dataset that reads their output each epoch, mixed with
+    ``shuffle_seed``, with the per-epoch steps chained on. ``columns`` as :func:`dataset`'s."""
     once, every_epoch = cached_steps(split.steps)
     prepare = Steps(once, read_steps(split))
     first = next(iter(once.values()), None)
@@ -203,22 +193,20 @@ def cached_dataset(
         "num_cpus": max((s.num_cpus for s in once.values()), default=1.0),
         **(placement(first) if first else {}),
     }
-    groups = pieces.row_groups(split.files, split.filesystem, source_cfg.limit)
     columns_read = [*split.layout.inputs, *columns[1:]]
     built = cache.build(groups, split.filesystem, columns_read, prepare, row_bytes, shuffle_seed, build_options)
-    return gathered(built, shuffle_seed, every_epoch, [], columns, epoch_counter), built
+    return gathered(built, shuffle_seed, every_epoch, [], columns, coordinator), built
 
 
-def gathered(source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, counter):
+def gathered(
+    source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, coordinator
+):
     """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first``
     (:func:`read_steps`) and ``steps`` run on the rows as they are gathered, in the same task, which keeps only
-    ``columns``; class steps, which need their actor pools, run after, as Ray Data steps."""
-    inline = not any(is_class(spec) for spec in steps.values())
-    then = Steps(steps, first, keep=columns) if inline else Steps({}, first)
-    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0)} if inline else {}
-    bind = functools.partial(seeded, epoch_counter=counter)
-    ds = pieces.dataset(source, source.windows, source.tasks, seed, then, bind, {**options, **read_placement(steps)})
-    return ds if inline else apply(ds, steps, columns, counter)
+    ``columns``."""
+    then = Steps(steps, first, keep=columns)
+    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **read_placement(steps)}
+    return pieces.dataset(source, source.windows, source.tasks, seed, then, coordinator, options)
 
 
 SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps to estimate the cache
@@ -227,10 +215,11 @@ SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps
 def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePlan:
     """``ingest.cache`` decided before anything is recorded: the cached stage's size estimated from the
     first rows of each split (run through its once-only steps here, on the driver: a transform that fails
-    on them fails here) against ``ingest.cache_share`` of Ray's object store. ``auto`` streams what does not
+    on them fails here) against ``ingest.cache_share`` of the preprocessing nodes' object stores
+    (:func:`store_bytes`). ``auto`` streams what does not
     fit, and a run of one epoch, which reads each row once; ``true`` fails."""
     ingest = cfg.ingest
-    capacity = int(ray.cluster_resources().get("object_store_memory", 0) * ingest.cache_share)
+    capacity = int(store_bytes(read_placement(splits["train"].steps)) * ingest.cache_share)
     if ingest.cache is False:
         return CachePlan(False, 0, capacity)
     row_bytes = {}
@@ -252,6 +241,14 @@ def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePla
         )
     one_pass = ingest.cache == "auto" and cfg.train.epochs == 1
     return CachePlan(estimate <= capacity and not one_pass, estimate, capacity, row_bytes, one_pass=one_pass)
+
+
+def store_bytes(where: dict) -> int:
+    """What the object stores of the nodes that preprocess (``where``: the split's first step's placement) hold
+    together, as the reads and the cache's tasks fill them, spread over those nodes alike: as many times the
+    smallest store as there are such nodes (the whole cluster's, where none matches)."""
+    stores = [node["Resources"].get("object_store_memory", 0.0) for node in placeable_nodes(where)]
+    return int(len(stores) * min(stores)) if stores else int(ray.cluster_resources().get("object_store_memory", 0))
 
 
 def sample_rows(split: source.Split, steps: dict[str, TransformSpec]) -> dict[str, np.ndarray]:

@@ -1,14 +1,14 @@
 """The configured transform steps (built on the driver, run in Ray Data's tasks and actors): which run once
 and which every epoch, and how Ray runs them.
 
-Functions run as stateless Ray tasks; classes run as an actor pool (built once per actor, for
-transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
+In training every step runs in the tasks that gather each epoch's rows (:class:`Steps`), a class step built
+once per process; in prediction functions run as stateless Ray tasks and classes as an actor pool (built once
+per actor, for transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
 
 A transform function that declares an ``epoch`` parameter is called with the training epoch its
 pass belongs to, so seeded random augmentation changes every epoch and a resumed run repeats
-exactly what an uninterrupted one would do. The training workers set that epoch on a small
-:class:`pipeline.data.preprocess.EpochCounter` actor before each pass starts; Ray Data's split coordinator starts
-a pass only once every worker has asked for it, so no task of the pass reads an older value.
+exactly what an uninterrupted one would do: each gathering task asks the job's
+:class:`pipeline.data.coordinator.Coordinator` for it once.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def class_indices(batch: dict[str, np.ndarray], column: str, classes: list[str])
 
 class Steps:
     """Transform steps run in one process, one after another, on a batch: ``first`` (:func:`read_steps`),
-    then each step (a class step built here), those that take an ``epoch`` given the one the call passes;
-    then, with ``keep``, only those columns. Steps are built on first use, once per process that runs them."""
+    then each step, those that take an ``epoch`` given the one the call passes; then, with ``keep``, only
+    those columns. Steps are built on first use; a class step once per process (:func:`built`)."""
 
     def __init__(
         self, specs: dict[str, TransformSpec], first: list[tuple[Callable, dict]], keep: list[str] | None = None
@@ -74,11 +74,17 @@ class Steps:
         return batch if self.keep is None else {name: batch[name] for name in self.keep}
 
 
+_instances: dict[str, Any] = {}  # a process's class steps, built once (a gathering task's process runs many)
+
+
 def built(spec: TransformSpec) -> tuple[Any, bool]:
-    """A step's callable (a class step's instance) and whether it takes an ``epoch``."""
+    """A step's callable (a class step's instance, one per process) and whether it takes an ``epoch``."""
     fn = instantiate(spec.fn, _partial_=True, _convert_="all")
     if is_class(spec):
-        return fn.func(**fn.keywords), False
+        key = repr(spec.fn)
+        if key not in _instances:
+            _instances[key] = fn.func(**fn.keywords)
+        return _instances[key], False
     return fn, "epoch" in inspect.signature(fn).parameters
 
 
@@ -119,11 +125,10 @@ def check_streamed(split: str, steps: dict[str, TransformSpec]) -> None:
             )
 
 
-def apply(ds, specs: dict[str, TransformSpec], columns: list[str] | None, epoch_counter=None):
+def apply(ds, specs: dict[str, TransformSpec], columns: list[str] | None):
     """Return ``ds`` with every transform in ``specs`` (name -> TransformSpec dict, none null) appended, in order,
     then only ``columns`` kept (the reader's ``path`` column serves error messages, not training),
-    where the last step ran; ``None`` keeps every column. Without an ``epoch_counter`` (prediction),
-    ``epoch`` keeps its default."""
+    where the last step ran; ``None`` keeps every column. Prediction's steps: ``epoch`` keeps its default."""
     last: dict = {}
     for spec in specs.values():
         fn = instantiate(spec.fn, _partial_=True, _convert_="all")
@@ -137,24 +142,9 @@ def apply(ds, specs: dict[str, TransformSpec], columns: list[str] | None, epoch_
             pool = ray.data.ActorPoolStrategy(size=spec.concurrency or 1)
             ds = ds.map_batches(fn.func, fn_constructor_kwargs=fn.keywords, compute=pool, **options)
         else:
-            fn = seeded(fn, epoch_counter)
             ds = ds.map_batches(fn, compute=ray.data.TaskPoolStrategy(size=spec.concurrency), **options)
         last = placement(spec)
     return ds if columns is None else ds.select_columns(columns, **last)
-
-
-def seeded(fn, epoch_counter):
-    """``fn`` with ``epoch`` bound, when a Ray Data task calls it, to the epoch the workers are reading
-    (one actor call per batch; steps with ``batch_size: null`` take a whole file per batch); ``fn``
-    itself when it takes no ``epoch`` or there is no counter (prediction: ``epoch`` keeps its default)."""
-    if epoch_counter is None or "epoch" not in inspect.signature(fn).parameters:
-        return fn
-
-    def call(batch: dict[str, np.ndarray], **kwargs) -> dict[str, np.ndarray]:
-        return fn(batch, epoch=ray.get(epoch_counter.get.remote()), **kwargs)
-
-    call.__name__ = call.__qualname__ = getattr(fn, "func", fn).__name__  # Ray names the operator after it
-    return call
 
 
 def placement(spec: TransformSpec | PredictConfig) -> dict:

@@ -1,21 +1,22 @@
-"""Streamed splits (built on the driver; a reader actor and Ray tasks run them): a split that is not cached
-(``ingest.cache`` false, too large for the object store, or one epoch) read anew every epoch, the training
-split in a new seeded order without an all-to-all pass, validation in its stored order.
+"""Streamed splits (planned on the driver; reader actors and the gathering tasks run them): a split that is not
+cached (``ingest.cache`` false, too large for the object store, or one epoch) read anew every epoch, the
+training split in a new seeded order without an all-to-all pass, validation in its stored order.
 
-Each epoch is :mod:`pipeline.data.pieces`' windows of raw rows: the job's :class:`StreamReader` actor reads a
-window's row groups into Ray's object store (the columns as Arrow: no copy when a task maps them), reading the
-next window ahead while the current one is consumed, and drops a window once the epoch has moved past it. Every
-step then runs in the tasks that gather the window's rows, decoding included. A window holds what fits a third
-of ``ingest.cache_share`` of the object store (this one, the next, and the last one's stragglers): a split that
-fits is one window, a full shuffle every epoch; a larger one is mixed within windows of row groups drawn at
-random from all of it.
+Each epoch is :mod:`pipeline.data.pieces`' windows of raw rows. A window's row groups are read by the job's
+:class:`Reader` actors, one on each node that may run the split's first step (its resources and labels), an equal
+share each, in threads (reading is mostly waiting on storage): each row group lands in the object store of the
+node that read it, as Arrow columns (no copy when a task maps them), and reads grow with the preprocessing nodes
+and their CPUs. The job's :class:`pipeline.data.coordinator.Coordinator` keeps the plan and the object refs of
+what was read, never the bytes. Every step then runs in the tasks that gather the window's rows, decoding
+included. A window holds what fits a third of ``ingest.cache_share`` of the preprocessing nodes' object stores
+(this one, the next, and the last one's stragglers): a split that fits is one window, a full shuffle every
+epoch; a larger one is mixed within windows of row groups drawn at random from all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,26 +24,61 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.data.pieces import RowGroup, Windows, numpy_batch, read_group, window_groups, window_tasks
+from pipeline.data.pieces import RowGroup, Windows, numpy_batch, read_group
+from pipeline.runtime.cluster import placeable_nodes
 
 ROWS_PER_TASK = 1000  # an epoch's tasks each gather about this many rows
+READ_THREADS_PER_CPU = 2  # row groups a reader reads at once per CPU of its node (Arrow releases the GIL)
 
 
-def read_piece(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str]) -> tuple[pa.Table, list]:
-    """One row group's ``columns`` and its file (``path``), as read; and ``[(rows, bytes)]``."""
+def read_piece(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str]) -> pa.Table:
+    """One row group's ``columns`` and its file (``path``), as read."""
     table = read_group(group, filesystem, columns)
-    table = table.append_column("path", pa.array([group.file] * table.num_rows, pa.string()))
-    return table, [(table.num_rows, table.nbytes)]
+    return table.append_column("path", pa.array([group.file] * table.num_rows, pa.string()))
 
 
-READ_THREADS = 4  # row groups a reader reads at once (Arrow releases the GIL while it reads)
+@ray.remote(num_cpus=0)
+class Reader:
+    """Reads row groups on its node, in ``threads`` threads, into that node's object store; one per preprocessing
+    node of a job, started and owned by its coordinator. Its own process rather than tasks: tasks that wait for a
+    window would have Ray start more worker processes, and one per node holds no CPU a step could use."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="read")
+
+    async def read(
+        self, groups: list[RowGroup], filesystem: pafs.FileSystem, columns: list[str]
+    ) -> tuple[list[ray.ObjectRef], list[tuple[int, int]], str]:
+        """``groups`` read at once: each one's object (stored on this node), its ``(rows, bytes)``, this node's id."""
+        loop = asyncio.get_running_loop()
+        tables = await asyncio.gather(
+            *(loop.run_in_executor(self.pool, read_piece, group, filesystem, columns) for group in groups)
+        )
+        node = ray.get_runtime_context().get_node_id()
+        return [ray.put(table) for table in tables], [(table.num_rows, table.nbytes) for table in tables], node
+
+
+def start_readers(where: dict) -> list[ray.actor.ActorHandle]:
+    """A :class:`Reader` on each node where a step placed with ``where`` may run, with threads for its CPUs; where
+    none is up yet (an autoscaling cluster), one that Ray places as ``where`` says."""
+    nodes = placeable_nodes(where)
+    if not nodes:
+        return [Reader.options(**where).remote(READ_THREADS_PER_CPU)]
+    return [
+        Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+            max(1, round(READ_THREADS_PER_CPU * node["Resources"]["CPU"]))
+        )
+        for node in nodes
+    ]
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a split streams: its row groups, what is read of them, its shuffle's seed (None: the stored order),
-    and how each epoch is cut: into ``windows`` windows, read by ``tasks`` tasks."""
+    how each epoch is cut (into ``windows`` windows, gathered by ``tasks`` tasks), and where it is read
+    (``where``: the placement of the split's first step)."""
 
     groups: list[RowGroup]
     filesystem: pafs.FileSystem
@@ -50,65 +86,15 @@ class Plan:
     seed: int | None
     windows: int
     tasks: int
-
-
-@ray.remote(num_cpus=0)
-class StreamReader:
-    """Owns the pieces of the windows a job's streamed splits are reading: asked for a window, it has that one
-    read, and the next once half the window's tasks have asked (so the read does not slow the window's start),
-    and lets go of the others but the one before. It reads them itself, in threads: reading is mostly waiting
-    on storage, and tasks that wait for a window would have Ray start more worker processes. One per job."""
-
-    def __init__(self) -> None:
-        self.plans: dict[str, Plan] = {}
-        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read")
-        # (split, epoch * windows + window) -> its (pieces, sizes), once read; how many of its tasks have asked
-        self.held: dict[tuple[str, int], asyncio.Future] = {}
-        self.asked: Counter[tuple[str, int]] = Counter()
-
-    async def prefetch(self, split: str, plan: Plan) -> None:
-        """Start reading the first window of ``split``, streamed as ``plan`` says."""
-        self.plans.setdefault(split, plan)
-        self.start(split, 0)
-
-    async def window(self, split: str, plan: Plan, epoch: int, index: int) -> tuple[list[ray.ObjectRef], list[list]]:
-        """Window ``index`` of ``split``'s epoch ``epoch`` (``plan``: how it streams), once read."""
-        self.plans.setdefault(split, plan)
-        key = epoch * plan.windows + index
-        self.start(split, key)
-        self.asked[split, key] += 1
-        if self.asked[split, key] * 2 >= len(window_tasks(index, plan.tasks, plan.windows)):
-            self.start(split, key + 1)
-        for old in [k for k in self.held if k[0] == split and not key - 1 <= k[1] <= key + 1]:
-            del self.held[old]
-            self.asked.pop(old, None)
-        return await asyncio.shield(self.held[split, key])
-
-    async def holding(self, split: str) -> list[int]:
-        """The windows of ``split`` it holds or is reading (epoch * windows + window): what its memory is."""
-        return sorted(key for name, key in self.held if name == split)
-
-    def start(self, split: str, key: int) -> None:
-        """Start reading window ``key`` of ``split`` unless it is read or being read."""
-        if (split, key) not in self.held:
-            self.held[split, key] = asyncio.ensure_future(self.read(self.plans[split], key))
-
-    async def read(self, plan: Plan, key: int) -> tuple[list[ray.ObjectRef], list[list]]:
-        loop = asyncio.get_running_loop()
-        epoch, index = divmod(key, plan.windows)
-        groups = window_groups(len(plan.groups), plan.seed, epoch, plan.windows)[index]
-        reads = [
-            loop.run_in_executor(self.pool, read_piece, plan.groups[g], plan.filesystem, plan.columns) for g in groups
-        ]
-        read = await asyncio.gather(*reads)
-        return [ray.put(table) for table, _ in read], [size for _, size in read]
+    where: dict
 
 
 @dataclass
 class Stream:
-    """A split's stream: the job's reader and the split's plan (what :func:`pipeline.data.pieces.dataset` reads)."""
+    """A split's stream: the job's coordinator and the split's plan (what :func:`pipeline.data.pieces.dataset`
+    reads)."""
 
-    reader: ray.actor.ActorHandle
+    coordinator: ray.actor.ActorHandle
     split: str
     plan: Plan
 
@@ -121,7 +107,7 @@ class Stream:
         return self.plan.tasks
 
     def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], list[list]]:
-        return ray.get(self.reader.window.remote(self.split, self.plan, epoch, index))
+        return ray.get(self.coordinator.window.remote(self.split, self.plan, epoch, index))
 
     @staticmethod
     def take(parts: dict[int, pa.Table], piece: np.ndarray, row: np.ndarray) -> dict[str, np.ndarray]:
@@ -134,19 +120,21 @@ class Stream:
 
 
 def open_stream(
-    reader: ray.actor.ActorHandle,
+    coordinator: ray.actor.ActorHandle,
     split: str,
     groups: list[RowGroup],
     filesystem: pafs.FileSystem,
     columns: list[str],
     seed: int | None,
     budget: int,
+    where: dict,
 ) -> Stream:
     """``split``'s stream from ``groups`` (its shuffle's ``seed``, None: the stored order), its windows sized to
-    ``budget`` bytes, added to ``reader``, which reads its first window at once (while Ray Train starts)."""
+    ``budget`` bytes, read where ``where`` places the split's first step, added to ``coordinator``, which reads
+    its first window at once (while Ray Train starts)."""
     total = sum(group.bytes for group in groups)
     windows = max(1, min(len(groups), math.ceil(total / max(budget, 1))))
     tasks = max(windows, math.ceil(sum(group.rows for group in groups) / ROWS_PER_TASK))
-    plan = Plan(groups, filesystem, columns, seed, windows, tasks)
-    reader.prefetch.remote(split, plan)
-    return Stream(reader, split, plan)
+    plan = Plan(groups, filesystem, columns, seed, windows, tasks, where)
+    coordinator.prefetch.remote(split, plan)
+    return Stream(coordinator, split, plan)

@@ -67,6 +67,10 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
             with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
                 result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
             reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
+            reads = data.reads()
+            if reads is not None:
+                log.info("ingest: %s", reads)
+            tracker.log_reads(reads)
             if tracker.epochs.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's

@@ -163,6 +163,32 @@ def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node["Alive"]]
 
 
+def placeable_nodes(where: dict) -> list[dict]:
+    """The alive nodes with CPUs where a task placed with ``where`` (Ray's ``resources`` and ``label_selector``
+    options, :func:`pipeline.data.steps.placement`) may run."""
+    wanted = {"CPU": 1e-9, **where.get("resources", {})}
+    return [
+        node
+        for node in alive_nodes()
+        if all(node["Resources"].get(key, 0.0) >= amount for key, amount in wanted.items())
+        and selected(node.get("Labels", {}), where.get("label_selector", {}))
+    ]
+
+
+def selected(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node's ``labels`` satisfy a Ray label selector: ``value``, ``!value``, ``in(a,b)``, ``!in(a,b)``."""
+    for key, condition in selector.items():
+        negated = condition.startswith("!")
+        wanted = condition.removeprefix("!")
+        if wanted.startswith("in(") and wanted.endswith(")"):
+            values = {value.strip() for value in wanted[3:-1].split(",")}
+        else:
+            values = {wanted}
+        if (labels.get(key) in values) == negated:
+            return False
+    return True
+
+
 @ray.remote(num_cpus=0)
 def _missing_here(paths: list[str]) -> list[str]:
     return [path for path in paths if not os.path.exists(path)]

@@ -26,6 +26,7 @@ from pipeline.training.trainer import checkpoint_mode
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
+READS_TAG = "pipeline.reads"  # what the streamed splits read, on which nodes
 
 
 class Tracker:
@@ -100,6 +101,11 @@ class Tracker:
         for name, figures in built.items():
             mib, seconds = figures["bytes"] / 2**20, figures["seconds"]
             self.record.write(metrics_record({f"cache_{name}_mib": mib, f"cache_{name}_s": seconds}, 0))
+
+    def log_reads(self, reads: str | None) -> None:
+        """Where the streamed splits were read (``pipeline.reads``), when any was."""
+        if reads is not None:
+            self.record.tag(READS_TAG, reads)
 
     def flag_no_learning(self, verdict: str) -> None:
         """Mark a run whose model scores no better than a constant prediction (``task.no_learning``)."""

@@ -67,7 +67,7 @@ def build_trainer(
             "job": WorkerJob(
                 cfg,
                 events,
-                data.epoch_counter,
+                data.coordinator,
                 data.statistics,
                 data.rows["train"],
                 ray.put(initial) if initial is not None else None,

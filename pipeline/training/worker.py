@@ -50,7 +50,7 @@ class WorkerJob:
 
     cfg: PipelineConfig
     events: Any  # the ray.util.queue.Queue the driver reads the workers' events from
-    epoch_counter: Any  # the EpochCounter actor the seeded transforms read (pipeline.data.preprocess)
+    coordinator: Any  # the job's data Coordinator: the epoch the seeded transforms read (pipeline.data.coordinator)
     statistics: dict | None  # the features' mean and std, with ingest.standardize
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
@@ -60,7 +60,7 @@ class WorkerJob:
 def train_loop_per_worker(config: dict) -> None:
     """One worker's run: set up, restore, then per epoch: batches -> steps -> validate -> report."""
     job: WorkerJob = config["job"]
-    cfg, events, epoch_counter = job.cfg, job.events, job.epoch_counter
+    cfg, events, coordinator = job.cfg, job.events, job.coordinator
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic: this worker group's size
     steps = steps_per_epoch(job.train_rows, world_size, cfg.ingest.batch_size, cfg.ingest.drop_last)
@@ -73,7 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
     start, epochs = (restore.epoch + 1 if restore else 0), cfg.train.epochs
 
     # Ray Data starts reading and decoding the first epoch while the model is built.
-    first = train_batches(cfg, start, epoch_counter, device, world_size) if start < epochs else ()
+    first = train_batches(cfg, start, coordinator, device, world_size) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
@@ -88,7 +88,7 @@ def train_loop_per_worker(config: dict) -> None:
     stalled = 0.0  # seconds the last checkpoint held training up
 
     for epoch in range(start, epochs):
-        batches = first_batches if epoch == start else train_batches(cfg, epoch, epoch_counter, device, world_size)
+        batches = first_batches if epoch == start else train_batches(cfg, epoch, coordinator, device, world_size)
         metrics = train_epoch(replica, batches, cfg, epoch, steps, progress)
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
         metrics |= validate(replica, valid)
@@ -362,11 +362,11 @@ def restore_point(saved: ray.train.Checkpoint | None) -> RestorePoint | None:
 
 
 def train_batches(
-    cfg: PipelineConfig, epoch: int, epoch_counter, device: torch.device, world_size: int
+    cfg: PipelineConfig, epoch: int, coordinator, device: torch.device, world_size: int
 ) -> Iterator[dict]:
-    """This worker's training shard for ``epoch``. The epoch is set on the counter first, since the
+    """This worker's training shard for ``epoch``. The epoch is set on the job's coordinator first, since the
     seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
-    ray.get(epoch_counter.set.remote(epoch))
+    ray.get(coordinator.set_epoch.remote(epoch))
     shard = ray.train.get_dataset_shard("train")
     return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg.train.seed + epoch)
 

@@ -1,0 +1,99 @@
+"""The job's one data actor (started on the driver's node, asked by the tasks that gather each epoch): the epoch
+the training workers are reading, and the windows of every streamed split (:mod:`pipeline.data.stream`).
+
+It keeps the plan and the object refs of what was read, never the bytes: asked for a window, it has the job's
+readers (:class:`pipeline.data.stream.Reader`, one per preprocessing node, started here for each placement a
+split asks for) read an equal share of it each, and the next window with it, read while this one's rows are
+gathered; it lets go of a window once every task of it has asked (theirs keep its pieces until they end). A
+gathering task asks it twice (the epoch, and a streamed split's window), whatever the batches it hands on: one
+small call per ~1,000 rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import numpy as np
+import ray
+
+from pipeline.data.pieces import window_groups, window_tasks
+from pipeline.data.stream import Plan, start_readers
+
+
+@ray.remote(num_cpus=0)
+class Coordinator:
+    """The epoch being read, and each streamed split's windows: those held or being read, how many of a window's
+    tasks have asked for it, the readers, and the bytes each node has read."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.plans: dict[str, Plan] = {}
+        # (split, epoch * windows + window) -> its (pieces, sizes), once read
+        self.held: dict[tuple[str, int], asyncio.Future] = {}
+        self.newest: dict[str, int] = {}  # split -> the newest window asked for
+        self.asked: Counter[tuple[str, int]] = Counter()  # how many of a window's tasks have asked for it
+        self.readers: dict[str, list] = {}  # a placement (repr) -> the readers on its nodes
+        self.read_bytes: Counter[str] = Counter()  # node id -> bytes read there
+
+    def set_epoch(self, epoch: int) -> None:
+        """The training workers, before each pass: Ray Data's split coordinator starts a pass only once every
+        worker has asked for it, so no task of the pass reads an older value."""
+        self.epoch = epoch
+
+    def get_epoch(self) -> int:
+        return self.epoch
+
+    def reads(self) -> dict[str, int]:
+        """Bytes read so far, per node id."""
+        return dict(self.read_bytes)
+
+    async def prefetch(self, split: str, plan: Plan) -> None:
+        """Start reading the first window of ``split``, streamed as ``plan`` says."""
+        self.plans.setdefault(split, plan)
+        self.start(split, 0)
+
+    async def window(self, split: str, plan: Plan, epoch: int, index: int) -> tuple[list[ray.ObjectRef], list[list]]:
+        """Window ``index`` of ``split``'s epoch ``epoch`` (``plan``: how it streams), once read: its pieces and,
+        per row group, ``[(rows, bytes)]``."""
+        self.plans.setdefault(split, plan)
+        key = epoch * plan.windows + index
+        newest = self.newest[split] = max(self.newest.get(split, key), key)
+        self.start(split, key)  # read already, unless a task retried after its window went
+        self.start(split, newest + 1)  # read ahead while this window's rows are gathered
+        window = self.held[split, key]
+        self.asked[split, key] += 1
+        if self.asked[split, key] >= len(window_tasks(index, plan.tasks, plan.windows)):
+            del self.held[split, key]  # every task of it has asked: theirs keep the pieces alive until they end
+        for old in [k for k in self.held if k[0] == split and k[1] < newest - plan.windows]:  # an epoch cut short
+            del self.held[old]
+        return await asyncio.shield(window)
+
+    async def holding(self, split: str) -> list[int]:
+        """The windows of ``split`` it holds or is reading (epoch * windows + window): what the stores hold of it."""
+        return sorted(key for name, key in self.held if name == split)
+
+    def start(self, split: str, key: int) -> None:
+        """Start reading window ``key`` of ``split`` unless it is read or being read."""
+        if (split, key) not in self.held:
+            self.held[split, key] = asyncio.ensure_future(self.read(self.plans[split], key))
+
+    async def read(self, plan: Plan, key: int) -> tuple[list[ray.ObjectRef], list[list]]:
+        """The window's row groups, an equal share read by each reader of the plan's placement: their pieces'
+        refs and sizes, in the window's order, once every reader is done."""
+        readers = self.readers.setdefault(repr(plan.where), start_readers(plan.where))
+        epoch, index = divmod(key, plan.windows)
+        window = window_groups(len(plan.groups), plan.seed, epoch, plan.windows)[index]
+        shares = [share for share in np.array_split(window, len(readers)) if len(share)]
+        done = await asyncio.gather(
+            *(
+                reader.read.remote([plan.groups[g] for g in share], plan.filesystem, plan.columns)
+                for reader, share in zip(readers, shares)
+            )
+        )
+        pieces, sizes = [], []
+        for refs, share_sizes, node in done:
+            self.read_bytes[node] += sum(size for _, size in share_sizes)
+            pieces += refs
+            sizes += [[size] for size in share_sizes]
+        return pieces, sizes
