@@ -241,10 +241,10 @@ def in_block_order(epoch: int = 0):
 
 
 def row_groups(split):
-    """A split's row groups, as a job plans its datasets from them."""
+    """A split's row groups, with their label ranges, as a job plans its datasets from them."""
     from pipeline.data import pieces
 
-    return pieces.row_groups(split.files, split.filesystem, None)
+    return pieces.row_groups(split.files, split.filesystem, None, split.layout.label if split.layout else "label")
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,8 @@ COUNTERS = {
     "param_bytes": Metric(lower_is_better=True),
     "optimizer_bytes": Metric(lower_is_better=True),
     "checkpoint_stall_s": Metric(lower_is_better=True),  # what the previous epoch's checkpoint held training up
+    # a classification's labels per training batch against a full shuffle's (1: as mixed; docs/own-data.md)
+    "label_mix": Metric(lower_is_better=False),
 }
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {

@@ -8,7 +8,8 @@ into *windows*; each window's rows are mixed by a seeded permutation, and the ep
 consecutive ones per window, each take an equal share of it and gather those rows from the window's pieces (on
 one node Ray maps them from its shared memory without copying; on a cluster a node fetches the pieces it needs).
 There is no all-to-all pass: a window's rows leave as soon as its pieces exist, and a window that holds every
-row is a DataLoader's full shuffle. Without a seed, the stored order.
+row is a DataLoader's full shuffle. Without a seed, the stored order. A row mixes only with its own window: how
+well a window mixes a split is :func:`mix`'s.
 """
 
 from __future__ import annotations
@@ -38,21 +39,31 @@ class RowGroup:
     index: int
     rows: int
     bytes: int  # uncompressed, from the footer: what reading it holds in memory
+    labels: tuple | None = None  # the label column's (min, max) from the footer's statistics, where written
 
 
-def row_groups(files: list[str], filesystem: pafs.FileSystem, limit: int | None) -> list[RowGroup]:
-    """The split's row groups in file order, from the footers, up to ``limit`` rows."""
+def row_groups(files: list[str], filesystem: pafs.FileSystem, limit: int | None, label: str) -> list[RowGroup]:
+    """The split's row groups in file order, from the footers, up to ``limit`` rows, with the ``label`` column's
+    range in each."""
     groups, left = [], math.inf if limit is None else limit
     for file in files:
         meta = pq.ParquetFile(file, filesystem=filesystem).metadata
+        column = meta.schema.names.index(label) if label in meta.schema.names else None
         for index in range(meta.num_row_groups):
             group = meta.row_group(index)
             rows = int(min(group.num_rows, left))
             if rows <= 0:
                 return groups
-            groups.append(RowGroup(file, index, rows, round(group.total_byte_size * rows / max(group.num_rows, 1))))
+            size = round(group.total_byte_size * rows / max(group.num_rows, 1))
+            groups.append(RowGroup(file, index, rows, size, label_range(group, column)))
             left -= rows
     return groups
+
+
+def label_range(group: pq.RowGroupMetaData, column: int | None) -> tuple | None:
+    """A row group's label (min, max), as its footer's statistics say (None where they are not written)."""
+    stats = group.column(column).statistics if column is not None else None
+    return (stats.min, stats.max) if stats is not None and stats.has_min_max else None
 
 
 def read_group(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str]) -> pa.Table:
@@ -92,6 +103,30 @@ def group_order(groups: int, seed: int | None, epoch: int) -> np.ndarray:
 def window_groups(groups: int, seed: int | None, epoch: int, windows: int) -> list[np.ndarray]:
     """The row groups of each of the epoch's ``windows``: its order cut into runs of about equal length."""
     return np.array_split(group_order(groups, seed, epoch), windows)
+
+
+def mix(groups: list[RowGroup], windows: int, seed: int | None, values: list | None) -> float | None:
+    """How much of a split's labels a window can hold, against a full shuffle's 1.0: over epoch 0's ``windows``
+    (drawn with ``seed``), the mean share of the labels the window's row groups' label ranges cover.
+    ``values``: a classification's labels (covered ones counted); None: a number (the range's covered length).
+    A split stored in random order covers all of them in every row group; one stored by label, few. None
+    when a footer has no label range (the writer left statistics out)."""
+    ranges = [group.labels for group in groups]
+    if not ranges or any(r is None for r in ranges):
+        return None
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    shares = []
+    for window in window_groups(len(groups), seed, 0, windows):
+        held = sorted(ranges[g] for g in window)
+        if values is not None:
+            shares.append(sum(any(a <= v <= b for a, b in held) for v in values) / len(values))
+            continue
+        covered, reach = 0.0, low
+        for a, b in held:  # the union's length, the ranges in order of their start
+            covered += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        shares.append(covered / (high - low) if high > low else 1.0)
+    return float(np.mean(shares))
 
 
 class Source(Protocol):

@@ -2,11 +2,13 @@
 steps (:mod:`pipeline.data.steps`) chained on, read one of two ways: cached (:mod:`pipeline.data.cache`: the steps that
 run once, kept in Ray's object store) or streamed (:mod:`pipeline.data.stream`: read anew every epoch), the
 training split in a seeded order, new every epoch; what decides between them (``ingest.cache``), sized to the
-object stores of the nodes that preprocess; and prediction's rows, read by Ray Data in their stored order.
+object stores of the nodes that preprocess; how well the training split's windows mix it; and prediction's
+rows, read by Ray Data in their stored order.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,13 +28,16 @@ from pipeline.data.coordinator import Coordinator
 from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed
 from pipeline.runtime.cluster import placeable_nodes
 
+log = logging.getLogger(__name__)
+MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
+
 
 @dataclass
 class TrainingData:
     """What the training workers read: each split's lazy dataset, its row count (from the parquet
     footers, capped by ``source.limit``), the job's coordinator (the epoch its seeded steps follow, the
-    streams' windows), with ``ingest.standardize`` the training features' mean and std, and the cache (see
-    ``plan``)."""
+    streams' windows), with ``ingest.standardize`` the training features' mean and std, the cache (see
+    ``plan``), and how the training split's windows mix it (``mixing``)."""
 
     datasets: dict[str, ray.data.Dataset]
     rows: dict[str, int]
@@ -41,6 +46,7 @@ class TrainingData:
     plan: CachePlan | None = None
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
     streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream, with the plan off
+    mixing: Mixing | None = None
 
     def __enter__(self) -> TrainingData:
         return self
@@ -58,6 +64,44 @@ class TrainingData:
             return None
         shares = ", ".join(f"{node[:8]} {size / total:.0%}" for node, size in sorted(by_node.items()))
         return f"{total / 2**20:,.0f} MiB read on {len(by_node)} node(s): {shares}"
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """How well the training split's windows mix it: ``share`` of the labels a full shuffle mixes that a window
+    can hold, bounded from the row groups' label ranges in the parquet footers (1.0: as a full shuffle)."""
+
+    windows: int
+    groups: tuple[int, int]  # fewest and most row groups a window holds
+    rows_per_group: int
+    share: float
+    shuffled: bool  # ingest.shuffle: without it a batch takes consecutive rows, as if each row group were a window
+
+    def summary(self) -> str:
+        low, high = self.groups
+        held = f"{low}" if low == high else f"{low}-{high}"
+        layout = f"row groups of about {self.rows_per_group:,} rows"
+        read = f"{self.windows} window(s) of {held} {layout}" if self.shuffled else f"stored order ({layout})"
+        return (
+            f"{read}; a window holds at most {self.share:.0%} of the labels a full shuffle mixes (the footers' label "
+            "ranges)"
+        )
+
+    def warning(self) -> str | None:
+        """What to do when the windows are too coarse to mix a split that looks sorted by label."""
+        if self.share >= MIX_WARNING:
+            return None
+        remedy = (
+            "Rewrite it once, shuffled, in smaller row groups: python -m pipeline.reshuffle SOURCE TARGET "
+            "(docs/own-data.md, 'Data stored by class'), or give the stream larger windows (ingest.cache_share, a "
+            "larger object store, more preprocessing nodes)."
+            if self.shuffled
+            else "Turn the shuffle on: ingest.shuffle=true."
+        )
+        return (
+            f"ingest: the training split looks sorted by label and is read in {self.summary()}: its batches "
+            f"cannot mix its labels as a shuffle would, and the model may learn little. {remedy}"
+        )
 
 
 def start_coordinator() -> Any:
@@ -110,7 +154,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
     try:
         for name, split in splits.items():
             shuffle = seed if name == "train" else None
-            groups = pieces.row_groups(split.files, split.filesystem, src.limit)
+            groups = pieces.row_groups(split.files, split.filesystem, src.limit, layout.label)
             if plan.on:
                 built = cached_dataset(split, groups, columns, data.coordinator, shuffle, plan.row_bytes[name])
                 data.datasets[name], data.caches[name] = built
@@ -119,6 +163,9 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     split, name, groups, columns, data.coordinator, shuffle, plan.capacity_bytes // 3
                 )
                 data.datasets[name], data.streams[name] = streaming
+            if name == "train":
+                windows = (data.caches.get(name) or data.streams[name]).windows.later
+                data.mixing = mixing(groups, windows, shuffle, layout, cfg)
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
             data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
@@ -131,6 +178,24 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             ) from err
         raise
     return data
+
+
+def mixing(
+    groups: list[pieces.RowGroup], windows: int, seed: int | None, layout: source.Layout, cfg: PipelineConfig
+) -> Mixing | None:
+    """How the training split's steady-state windows mix its labels (:func:`pipeline.data.pieces.mix`); unshuffled,
+    a batch takes consecutive rows, as if each row group were a window. None where the footers have no label
+    ranges."""
+    windows = windows if seed is not None else len(groups)
+    values = None  # a regression's numbers: the share of their range
+    if cfg.task.type == "classification":  # the labels as stored: class names, or their indices
+        values = layout.classes or list(range(cfg.source.num_classes or 0)) or None
+    share = pieces.mix(groups, windows, seed, values)
+    if share is None:
+        return None
+    sizes = [len(w) for w in pieces.window_groups(len(groups), seed, 0, windows)]
+    rows = round(sum(group.rows for group in groups) / max(len(groups), 1))
+    return Mixing(windows, (min(sizes), max(sizes)), rows, share, seed is not None)
 
 
 def dataset(

@@ -43,6 +43,8 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
         plan = preprocess.cache_plan(cfg, splits)
         # with ingest.standardize, a pass over the training split: a value it cannot use fails here
         data = preprocess.training_data(cfg, splits, plan)
+        if data.mixing is not None and (warning := data.mixing.warning()):
+            log.warning("%s", warning)  # before training: a split its windows cannot mix
     except PipelineError as err:
         if job.sweep_dir:  # a sweep keeps a record of every job it tried
             Tracker.open(cfg, job).end("FAILED", err)
@@ -53,6 +55,7 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
         with tracker, resume_hint(tracker):  # the run ends FINISHED, or FAILED / KILLED with the error
             tracker.log_data(splits, data.statistics)
+            tracker.log_ingest(shuffle=data.mixing.summary() if data.mixing else None)
             if initial is not None:
                 log.info("finetune: %s", initial.summary())
                 tracker.log_start_weights(initial)
@@ -70,7 +73,7 @@ def run(cfg: PipelineConfig, job: Job) -> JobResult:
             reads = data.reads()
             if reads is not None:
                 log.info("ingest: %s", reads)
-            tracker.log_reads(reads)
+            tracker.log_ingest(reads=reads)
             if tracker.epochs.last is None:
                 raise PipelineError("training finished without reporting an epoch.")
             alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's

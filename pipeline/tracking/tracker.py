@@ -26,6 +26,7 @@ from pipeline.training.trainer import checkpoint_mode
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
+SHUFFLE_TAG = "pipeline.shuffle"  # how the training split's windows mix it (the footers' label ranges)
 READS_TAG = "pipeline.reads"  # what the streamed splits read, on which nodes
 
 
@@ -102,10 +103,12 @@ class Tracker:
             mib, seconds = figures["bytes"] / 2**20, figures["seconds"]
             self.record.write(metrics_record({f"cache_{name}_mib": mib, f"cache_{name}_s": seconds}, 0))
 
-    def log_reads(self, reads: str | None) -> None:
-        """Where the streamed splits were read (``pipeline.reads``), when any was."""
-        if reads is not None:
-            self.record.tag(READS_TAG, reads)
+    def log_ingest(self, shuffle: str | None = None, reads: str | None = None) -> None:
+        """How the training split's windows mix it (``pipeline.shuffle``) and where the streamed splits were read
+        (``pipeline.reads``), where known."""
+        for tag, value in ((SHUFFLE_TAG, shuffle), (READS_TAG, reads)):
+            if value is not None:
+                self.record.tag(tag, value)
 
     def flag_no_learning(self, verdict: str) -> None:
         """Mark a run whose model scores no better than a constant prediction (``task.no_learning``)."""

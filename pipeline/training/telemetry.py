@@ -16,13 +16,16 @@ from pipeline.training.parallel import world_size
 
 
 class EpochTelemetry:
-    """One epoch's loss, rows, throughput, data wait, skipped optimizer steps and first non-finite batch."""
+    """One epoch's loss, rows, throughput, data wait, skipped optimizer steps, first non-finite batch and, with
+    ``classes`` (a classification's count), how well its batches mixed the labels."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, classes: int | None = None):
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.loss_rows = torch.zeros((), device=device)
         self.first_nonfinite = torch.zeros((), dtype=torch.long, device=device)  # its batch number; 0: none
-        self.device, self.rows, self.skipped, self.waited = device, 0, 0, 0.0
+        self.device, self.rows, self.skipped, self.waited, self.batches = device, 0, 0, 0.0, 0
+        self.labels = torch.zeros(classes, dtype=torch.float64, device=device) if classes else None  # rows of each
+        self.distinct = torch.zeros((), dtype=torch.float64, device=device)  # labels per batch, summed
         self.started = time.perf_counter()
 
     def timed(self, batches: Iterable) -> Iterator:
@@ -44,6 +47,16 @@ class EpochTelemetry:
         self.loss_rows += finite * rows
         self.first_nonfinite = torch.where((self.first_nonfinite == 0) & ~finite, step, self.first_nonfinite)
         self.rows += rows
+        self.batches += 1
+
+    def batch_labels(self, labels: torch.Tensor) -> None:
+        """A training batch's labels: how many distinct ones it held, and each one's rows (no device sync)."""
+        if self.labels is not None:
+            counts = torch.zeros_like(self.labels).index_add_(
+                0, labels.long(), torch.ones_like(labels, dtype=torch.float64)
+            )
+            self.labels += counts
+            self.distinct += (counts > 0).sum()
 
     def nonfinite_batch(self) -> int:
         """The first batch whose loss was NaN or inf (1-based), 0 when none was: one device sync an epoch."""
@@ -52,10 +65,13 @@ class EpochTelemetry:
     def totals(self) -> dict:
         """The epoch's figures over every worker."""
         elapsed = time.perf_counter() - self.started
-        loss, loss_rows, rows, waited, ran = sum_over_workers(
-            [self.loss_sum.item(), self.loss_rows.item(), self.rows, self.waited, elapsed], self.device
+        labels = self.labels.tolist() if self.labels is not None else []
+        loss, loss_rows, rows, waited, ran, batches, distinct, *labels = sum_over_workers(
+            [self.loss_sum.item(), self.loss_rows.item(), self.rows, self.waited, elapsed, self.batches]
+            + [self.distinct.item(), *labels],
+            self.device,
         )
-        return {
+        figures = {
             "train_loss": LOSSES["train_loss"].value(loss, loss_rows),
             "train_throughput": rows / elapsed,
             "train_rows": int(rows),
@@ -63,6 +79,18 @@ class EpochTelemetry:
             "skipped_steps": self.skipped,  # the same on every rank: they all see the all-reduced gradients
             "workers": world_size(),
         }
+        if labels and batches:
+            figures["label_mix"] = label_mix(labels, distinct / batches, rows / batches)
+        return figures
+
+
+def label_mix(rows_per_label: list[float], distinct_per_batch: float, batch_rows: float) -> float:
+    """Labels per batch against a full shuffle's: a batch of ``batch_rows`` rows drawn at random from the epoch's
+    rows holds on average sum(1 - (1 - p)^batch_rows) distinct labels (p: each label's share). 1: as mixed as a
+    full shuffle; 1 / labels: every batch of one label (a split read in class order)."""
+    total = sum(rows_per_label)
+    expected = sum(1 - (1 - n / total) ** batch_rows for n in rows_per_label)
+    return distinct_per_batch / max(expected, 1e-9)
 
 
 def sum_over_workers(values: list[float], device: torch.device) -> list[float]:

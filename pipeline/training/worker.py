@@ -264,7 +264,8 @@ def train_epoch(
     features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
     replica.optimizer.zero_grad(set_to_none=True)
-    telemetry = EpochTelemetry(next(replica.model.parameters()).device)
+    classes = cfg.source.num_classes if cfg.task.type == "classification" else None
+    telemetry = EpochTelemetry(next(replica.model.parameters()).device, classes)
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
     for step, batch in enumerate(telemetry.timed(batches), start=1):
         if replica.example is None:
@@ -276,6 +277,7 @@ def train_epoch(
         if update:
             telemetry.skipped += not replica.step()
         telemetry.batch(step, loss, len(batch[labels]))
+        telemetry.batch_labels(batch[labels])
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely

@@ -1,0 +1,132 @@
+"""How well an epoch mixes a split: the bound its windows set (from the parquet footers' label ranges), the warning
+before training when a split looks sorted, the ``label_mix`` each epoch measures, and the remedy,
+``python -m pipeline.reshuffle``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import compose_cfg, write_split
+from mlflow import MlflowClient
+from test_pipeline import cli_env, run_cli
+
+from pipeline.data import pieces, preprocess, source
+from pipeline.training.telemetry import EpochTelemetry
+
+CLASSES = list(range(10))
+
+
+def stored(root: Path, order: str, group_rows: int = 32) -> Path:
+    """``root/<order>/cifar10``: 64 rows of each of 10 labels stored by label (a file per label) or shuffled, in row
+    groups of ``group_rows``; a test split as it comes."""
+    write_split(root / "rows", 1000, 1, seed=1)
+    table = pq.read_table(root / "rows")
+    by_label = np.concatenate([np.flatnonzero(table["label"].to_numpy() == label)[:64] for label in CLASSES])
+    train = root / order / "cifar10" / "train"
+    train.mkdir(parents=True)
+    if order == "sorted":
+        for label, rows in enumerate(np.split(by_label, 10)):
+            pq.write_table(table.take(rows), train / f"part-{label:02d}.parquet", row_group_size=group_rows)
+    else:
+        rows = np.random.default_rng(0).permutation(by_label)
+        pq.write_table(table.take(rows), train / "part-00.parquet", row_group_size=group_rows)
+    write_split(root / order / "cifar10" / "test", 64, 1, seed=2)
+    return root / order
+
+
+def groups_of(root: Path) -> list[pieces.RowGroup]:
+    split = source.prepare(compose_cfg([f"source.root={root}", "source.download=null"]).source)["train"]
+    return pieces.row_groups(split.files, split.filesystem, None, "label")
+
+
+def test_windows_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warned(tmp_path):
+    """Twenty windows of one row group each: stored by class, each holds one label of ten; stored shuffled, all ten.
+    One window of every row group mixes either fully. Read unshuffled, the advice is to shuffle."""
+    cfg = compose_cfg([])
+    layout = source.Layout.of(cfg.source)
+    sorted_groups, shuffled_groups = groups_of(stored(tmp_path, "sorted")), groups_of(stored(tmp_path, "shuffled"))
+    assert len(sorted_groups) == len(shuffled_groups) == 20 and sorted_groups[0].labels == (0, 0)
+
+    coarse = preprocess.mixing(sorted_groups, 20, 0, layout, cfg)
+    assert coarse.share == pytest.approx(0.1) and coarse.groups == (1, 1)
+    assert "looks sorted by label and is read in 20 window(s) of 1 row groups" in coarse.warning()
+    assert "python -m pipeline.reshuffle SOURCE TARGET" in coarse.warning()
+    assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).share > 0.95  # a group of 32 may miss 0 or 9
+    assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).warning() is None
+    assert preprocess.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one window: a full shuffle
+    unshuffled = preprocess.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a window of its own
+    assert "Turn the shuffle on: ingest.shuffle=true." in unshuffled.warning()
+
+    regression = compose_cfg(["task=regression"])
+    share = preprocess.mixing(sorted_groups, 20, 0, layout, regression).share  # a number's range: lengths, not counts
+    assert share == 0.0  # each group one value: no length of the range at all
+
+
+def test_label_mix_is_labels_per_batch_against_a_full_shuffles():
+    """Ten batches of 32 rows: each of one label (a split read in class order) measures about 1/9.7, where a full
+    shuffle holds 9.66 of 10 labels a batch; batches drawn at random measure about 1."""
+    generator = torch.Generator().manual_seed(0)
+    one_label, drawn = EpochTelemetry(torch.device("cpu"), 10), EpochTelemetry(torch.device("cpu"), 10)
+    for label in range(10):
+        for telemetry, labels in (
+            (one_label, torch.full((32,), label)),
+            (drawn, torch.randint(0, 10, (32,), generator=generator)),
+        ):
+            telemetry.batch(1, torch.tensor(1.0), 32)
+            telemetry.batch_labels(labels)
+    assert one_label.totals()["label_mix"] == pytest.approx(1 / (10 * (1 - 0.9**32)), rel=1e-6)
+    assert 0.9 < drawn.totals()["label_mix"] < 1.1
+    assert "label_mix" not in EpochTelemetry(torch.device("cpu")).totals()  # a regression has no labels to mix
+
+
+def reshuffle(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pipeline.reshuffle", *args]
+    return subprocess.run(command, cwd=cwd, env=cli_env(cwd), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # starts Ray
+def test_reshuffle_rewrites_a_class_sorted_split_that_its_windows_then_mix(tmp_path):
+    """The remedy the warning names: every row once, in random order, in row groups of the size asked, after which
+    twenty windows of the split hold nearly all labels each; an existing target or a missing source is one line."""
+    source_dir = stored(tmp_path, "sorted") / "cifar10" / "train"
+    target = tmp_path / "rewritten" / "cifar10" / "train"
+    result = reshuffle(tmp_path, str(source_dir), str(target), "--rows-per-group", "32", "--rows-per-file", "320")
+    assert result.returncode == 0, result.stderr
+    before, after = pq.read_table(source_dir), pq.read_table(target)
+    rows = lambda table: sorted(zip(table["image"].to_pylist(), table["label"].to_pylist()))  # noqa: E731
+    assert rows(after) == rows(before)
+    assert after["label"].to_pylist() != before["label"].to_pylist()
+    local = pafs.LocalFileSystem()
+    groups = pieces.row_groups(source.parquet_files(local, str(target)), local, None, "label")
+    assert {group.rows for group in groups} == {32} and len(groups) == 20
+    assert pieces.mix(groups, 20, 0, CLASSES) > 0.9
+
+    again = reshuffle(tmp_path, str(source_dir), str(target))
+    assert again.returncode == 1 and f"TARGET: {target} exists already" in again.stderr
+    missing = reshuffle(tmp_path, str(tmp_path / "nothing"), str(tmp_path / "other"))
+    assert missing.returncode == 1 and "SOURCE: no parquet files at" in missing.stderr
+    assert "Traceback" not in again.stderr + missing.stderr and not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow  # starts Ray
+def test_a_run_streaming_a_class_sorted_split_in_small_windows_warns_before_training(tmp_path):
+    """Streamed in windows of one row group (a tiny ingest.cache_share), a class-sorted split: the warning comes
+    before the first epoch, the run records the bound (pipeline.shuffle) and measures a label_mix near 1/10."""
+    root = stored(tmp_path, "sorted").parent
+    args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.cache_share=1e-9"]
+    result = run_cli([*args, f"source.root={root / 'sorted'}", "source.download=null"], tmp_path, root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    warned = output.index("ingest: the training split looks sorted by label")
+    assert warned < output.index("epoch 1/1")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.data.tags["pipeline.shuffle"].startswith("20 window(s) of 1 row groups of about 32 rows")
+    assert run.data.metrics["label_mix"] < 0.3
