@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from test_pipeline import no_runs_logged, run_cli
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import validate
-from pipeline.training import checkpoint, parallel
+from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.worker import Replica, weights_digest
 
 TINY = ["model.num_layers=2", "model.hidden_dim=32", "model.mlp_dim=64"]
@@ -46,14 +47,15 @@ def batch(cfg, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 13, generator=generator), torch.randint(0, 3, (8,), generator=generator)
 
 
-def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str | None) -> None:
-    """In a process of a gloo group of ``world``: the worker's Replica, restored from ``restore`` when given, two
-    optimizer steps on this rank's batches (two accumulated per step, gradients clipped when the config says),
-    then its checkpoint (``out/rank<R>``), and rank 0's figures (``out/result.pt``)."""
+def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str | None, start) -> None:
+    """In a process of a gloo group of ``world``: the worker's Replica (from ``start``, the driver's whole starting
+    weights, with FSDP), restored from ``restore`` when given, two optimizer steps on this rank's batches (two
+    accumulated per step, gradients clipped when the config says), then its checkpoint (``out/rank<R>``), and
+    rank 0's figures (``out/result.pt``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None)
+        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
         restored = None
         if restore is not None:
             replica.restore(ray.train.Checkpoint.from_directory(restore), CPU)
@@ -89,9 +91,95 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
 
 
 def spawn(cfg, world: int, out: Path, restore: Path | None = None) -> dict:
+    """Train as :func:`train_and_save` says in ``world`` processes; rank 0's figures."""
     out.mkdir(parents=True)
-    mp.spawn(train_and_save, args=(world, free_port(), cfg, str(out), restore and str(restore)), nprocs=world)
+    start = None  # what the driver hands FSDP's workers (trainer.build_trainer)
+    if cfg.scaling.strategy == "fsdp":
+        start = finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed)
+    args = (world, free_port(), cfg, str(out), restore and str(restore), start)
+    mp.spawn(train_and_save, args=args, nprocs=world)
     return torch.load(out / "result.pt", weights_only=True)
+
+
+class AnonymousPeak(threading.Thread):
+    """The highest of this process's anonymous resident memory (the kernel's RssAnon: what the process holds of its
+    own; not the pages it maps of a file or of Ray's shared object store), sampled every millisecond until stopped."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.before = self.peak = self.now()
+        self.running = True
+        self.start()
+
+    @staticmethod
+    def now() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:"))) * 1024
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def grown(self) -> int:
+        """How far above its first sample it has peaked so far."""
+        return max(self.peak, self.now()) - self.before
+
+
+def growth(rank: int, world: int, port: int, cfg, start_dir: str | None, out: str) -> None:
+    """In a process of a gloo group of ``world``: how far the process's own memory peaked above where it was while it
+    built its Replica (FSDP: its shards of the weights in ``start_dir``, memory-mapped as Ray's object store hands them
+    to a worker), and through one optimizer step (the gradients and AdamW's moments); into ``out/rank<R>.json``."""
+    import numpy as np
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        start = None
+        if start_dir is not None:
+            names = json.loads(Path(start_dir, "names.json").read_text())
+            state = {name: np.load(Path(start_dir, f"{i}.npy"), mmap_mode="r") for i, name in enumerate(names)}
+            start = finetune.Initial(state, [], "test")
+        memory = AnonymousPeak()
+        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
+        built = memory.grown()
+        features, labels = batch(cfg, rank, 0)
+        replica.backward(replica.task.loss(replica.model(replica.scale(features)), labels), 1, update=True)
+        assert replica.step()
+        memory.running = False
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"built": built, "stepped": memory.grown()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two pairs of processes training a 101 M-parameter model: about 40 s
+def test_fsdp_workers_never_hold_the_whole_model_and_peak_at_half_a_ddp_workers_memory(tmp_path):
+    """A 101 M-parameter MLP (404 MB) on 2 workers: an FSDP worker's resident memory grows by less than the model
+    while it builds (it is made on the meta device; each worker copies only its shards of the driver's weights),
+    and by at most 0.6x a DDP worker's through a training step (half the weights, gradients and AdamW moments)."""
+    import numpy as np
+
+    widths = "[" + ",".join(["4096"] * 7) + ",3]"
+    cfg = compose_cfg([*MLP, f"model.hidden_channels={widths}", "scaling.strategy=fsdp"])
+    whole = full_bytes(cfg)
+    assert whole > 400e6
+    start = finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed)  # the driver's, as Ray hands it on
+    start_dir = tmp_path / "start"
+    start_dir.mkdir()
+    (start_dir / "names.json").write_text(json.dumps(list(start.state)))
+    for i, array in enumerate(start.state.values()):
+        np.save(start_dir / f"{i}.npy", array)
+    del start
+    figures = {}
+    for strategy, weights in (("fsdp", str(start_dir)), ("ddp", None)):
+        out = tmp_path / strategy
+        out.mkdir()
+        strategy_cfg = replace(cfg, scaling=replace(cfg.scaling, strategy=strategy))
+        mp.spawn(growth, args=(2, free_port(), strategy_cfg, weights, str(out)), nprocs=2)
+        figures[strategy] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for fsdp, ddp in zip(figures["fsdp"], figures["ddp"]):
+        assert fsdp["built"] < 0.75 * whole < ddp["built"], figures  # never the whole model on an FSDP rank
+        assert fsdp["stepped"] <= 0.6 * ddp["stepped"], figures
 
 
 def merged(out: Path) -> Path:

@@ -63,6 +63,8 @@ COUNTERS = {
     "checkpoint_stall_s": Metric(lower_is_better=True),  # what the previous epoch's checkpoint held training up
     # a classification's labels per training batch against a full shuffle's (1: as mixed; docs/own-data.md)
     "label_mix": Metric(lower_is_better=False),
+    # a worker's peak memory (rank 0's): the GPU's allocated bytes, or on CPU the process's peak resident size
+    "peak_memory_bytes": Metric(lower_is_better=True),
 }
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {

@@ -32,7 +32,7 @@ LR_ARGUMENTS = ("max_lr", "base_lr")  # a schedule's rates, which replace the op
 class Initial:
     """The weights a job starts from, matched to its model."""
 
-    state: dict[str, torch.Tensor]  # every entry of the model's state dict but the fresh head's
+    state: dict[str, torch.Tensor]  # every entry of the model's state dict but the fresh head's (whole_start: all)
     fresh: list[str]  # the head's entries that start from random weights (their shape differed)
     source: str  # finetune.weights, as given
 
@@ -143,6 +143,18 @@ def matched(own: dict[str, torch.Tensor], state: dict, head: set[str], weights: 
             "the one these weights were trained for?"
         )
     return Initial({k: v for k, v in state.items() if k not in fresh}, fresh, weights)
+
+
+def whole_start(model_cfg: dict, finetune: FinetuneConfig, initial: Initial | None, seed: int) -> Initial:
+    """Every tensor the model starts from (parameters and buffers, persistent or not), built here once with
+    ``seed``, as a worker builds its replica, from ``initial``'s weights where given: what FSDP's workers, which
+    build on the meta device, each take their shards of. As numpy arrays: Ray's object store hands them to every
+    worker of a node without a copy, and a worker reads only its shards' pages."""
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, finetune, initial)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state = {name: tensor.detach().numpy() for name, tensor in tensors.items()}
+    return Initial(state, [], initial.source if initial is not None else f"random weights (train.seed={seed})")
 
 
 def hint(names: list[str]) -> str:

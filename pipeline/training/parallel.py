@@ -1,9 +1,12 @@
 """How one model is spread over a worker group, and how a sharded model's state is saved and restored.
 
 In each worker, :func:`parallelize` applies the GPU levers in torchtitan's order: activation checkpointing
-on the model's blocks, then DDP (a whole replica per worker) or FSDP2 (``fully_shard`` per block, then the
-root: each worker holds 1/N of the parameters, gradients and optimizer state), then ``torch.compile`` in
-place (``Module.compile``: the state dict's keys stay the plain module's, without ``_orig_mod.``).
+on the model's blocks, then ``torch.compile`` per block, in place (``Module.compile``: the state dict's keys stay
+the plain module's, without ``_orig_mod.``), then DDP (a whole replica per worker) or FSDP2 (``fully_shard`` per
+block, then the root: each worker holds 1/N of the parameters, gradients and optimizer state). An FSDP model is
+built on the meta device and sharded there; each worker then materializes only its shards, copied from the
+starting weights the driver built once (:func:`pipeline.training.finetune.whole_start`): no worker ever holds
+the whole model.
 
 A sharded model's checkpoint is ``torch.distributed.checkpoint`` (DCP) directories, ``model/`` and
 ``optimizer/``, each rank writing its own shards; DCP reads them back on any worker count.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,7 +27,7 @@ from hydra.utils import instantiate
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -80,26 +85,53 @@ def check_blocks(model_cfg: dict, train: TrainConfig, scaling: ScalingConfig) ->
         )
 
 
-def parallelize(model: torch.nn.Module, train: TrainConfig, scaling: ScalingConfig, device: torch.device):
-    """The model on ``device``, ready to train on this worker group: activation checkpointing, DDP or FSDP2,
-    then compiled, as ``train`` and ``scaling`` say. With FSDP and ``train.amp`` on a GPU, FSDP's policy casts
-    the parameters to ``train.amp_dtype`` and reduces gradients in float32 (no autocast is needed then)."""
-    model.to(device)
+def parallelize(
+    model: torch.nn.Module,
+    train: TrainConfig,
+    scaling: ScalingConfig,
+    device: torch.device,
+    start: dict | None = None,
+):
+    """The model on ``device``, ready to train on this worker group: activation checkpointing, compiled, then DDP
+    or FSDP2, as ``train`` and ``scaling`` say. With FSDP, ``model`` is on the meta device and ``start`` holds every
+    tensor it starts from (:func:`pipeline.training.finetune.whole_start`), of which this worker copies its shards;
+    with ``train.amp`` on a GPU, FSDP's policy casts the parameters to ``train.amp_dtype`` and reduces gradients in
+    float32 (no autocast is needed then)."""
     units = blocks(model, train.blocks)
     if train.activation_checkpointing:
         for block in units:
             recompute_in_backward(block)
+    if train.compile:
+        for unit in units or [model]:  # a model without blocks compiles whole
+            unit.compile(mode=str(train.compile_mode))
     if scaling.strategy == Strategy.fsdp:
         mesh = init_device_mesh(device.type, (world_size(),))
         amp, dtype, _ = amp_plan(device.type, train)  # float16 with FSDP is refused before Ray starts (checks.py)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
         for block in units + [model]:
             fully_shard(block, mesh=mesh, mp_policy=policy)
-    elif world_size() > 1:
+        model.to_empty(device=device)
+        take_shards(model, start)
+        return model
+    model.to(device)
+    if world_size() > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if train.compile:
-        model.compile(mode=str(train.compile_mode))
     return model
+
+
+def take_shards(model: torch.nn.Module, start: dict) -> None:
+    """This worker's shards of every parameter (and every buffer whole) copied from ``start``, name by name: a
+    sharded one is cut from a view of the whole tensor, so only its own part is read (one tensor at a time moves
+    to the device whole on the way, on a GPU)."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # read here, never written
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            whole = torch.as_tensor(start[name])
+            if isinstance(tensor, DTensor):
+                mine = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(mine.to_local())
+            else:
+                tensor.copy_(whole)
 
 
 def recompute_in_backward(block: torch.nn.Module) -> None:
@@ -139,16 +171,30 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this worker holds of ``tensor``: its shard of a sharded (DTensor) one, any other as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_bytes(tensors) -> int:
     """Bytes this worker holds of ``tensors``: its shards' for sharded ones."""
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum(t.numel() * t.element_size() for t in map(local, tensors))
 
 
 def memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """This worker's parameter and optimizer-state bytes: FSDP on N workers holds about 1/N of DDP's."""
+    """This worker's parameter and optimizer-state bytes (FSDP on N workers holds about 1/N of DDP's), and its peak
+    memory so far: on a GPU what torch allocated there, on CPU the process's peak resident size as the OS counts it."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return {"param_bytes": local_bytes(model.parameters()), "optimizer_bytes": local_bytes(state)}
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {
+        "param_bytes": local_bytes(model.parameters()),
+        "optimizer_bytes": local_bytes(state),
+        "peak_memory_bytes": peak,
+    }
 
 
 def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:

@@ -16,10 +16,10 @@ from ray.util.queue import Queue
 
 from pipeline.common.metrics import lower_is_better
 from pipeline.common.workarounds import explain, fit_off_main_thread
-from pipeline.config import PipelineConfig, ScalingConfig, TaskConfig, TrainConfig
+from pipeline.config import PipelineConfig, ScalingConfig, Strategy, TaskConfig, TrainConfig
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import checkpoint
+from pipeline.training import checkpoint, finetune
 from pipeline.training.finetune import Initial
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.worker import WorkerJob, steps_per_epoch, train_loop_per_worker
@@ -59,8 +59,11 @@ def build_trainer(
 ) -> TorchTrainer:
     """A TorchTrainer for the typed config; workers send their events to ``events``; ``callbacks``
     run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
-    (the weights training starts from) goes to Ray's object store once, for every worker."""
+    (the weights training starts from) goes to Ray's object store once, for every worker: with FSDP, every
+    tensor of the model, built here (the workers build theirs on the meta device and take their shards)."""
     scaling_config, torch_config = trainer_settings(cfg.scaling)
+    if cfg.scaling.strategy == Strategy.fsdp:
+        initial = finetune.whole_start(cfg.model, cfg.finetune, initial, cfg.train.seed)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

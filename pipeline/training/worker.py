@@ -152,10 +152,18 @@ class Replica:
         initial: Initial | None = None,
     ) -> Replica:
         """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
-        with ``train.seed`` (every rank alike)."""
-        torch.manual_seed(cfg.train.seed)  # FSDP shards each rank's copy: every rank builds the same weights
-        bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
-        model = parallel.parallelize(bare, cfg.train, cfg.scaling, device)
+        with ``train.seed`` (every rank alike). With FSDP the model is built on the meta device and ``initial``
+        holds every tensor it starts from (:func:`pipeline.training.finetune.whole_start`): each rank takes its
+        shards of them."""
+        torch.manual_seed(cfg.train.seed)
+        if cfg.scaling.strategy == Strategy.fsdp:
+            with torch.device("meta"):  # the structure only: no rank ever holds the whole model
+                bare = finetune.build_model(cfg.model, cfg.finetune, None)
+            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device, start=initial.state)
+        else:
+            bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
+            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device)
+        torch.manual_seed(cfg.train.seed + 1)  # training's own draws (dropout): alike whether weights were drawn here
         optimizer = instantiate(cfg.optim, _partial_=True, _convert_="all")(finetune.param_groups(bare, cfg.finetune))
         for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
             group["lr"] *= group["lr_scale"]
@@ -392,11 +400,15 @@ def torch_batches(
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """A sha256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    """A sha256 of every parameter's bytes, the same on every rank: equal digests mean bit-identical replicas.
+    Sharded, each rank hashes its own shards and the ranks' hashes are hashed together, in rank order (nothing is
+    gathered whole)."""
     digest = hashlib.sha256()
-    for param in model.parameters():  # a sharded one gathered whole: the digest does not depend on the strategy
-        digest.update(parallel.full(param.detach()).cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    for param in model.parameters():
+        digest.update(parallel.local(param.detach()).cpu().contiguous().numpy().tobytes())
+    if not parallel.is_sharded(model):
+        return digest.hexdigest()
+    return hashlib.sha256("".join(parallel.gathered(digest.hexdigest())).encode()).hexdigest()
 
 
 def where_this_runs(rank: int) -> dict:
