@@ -1,0 +1,268 @@
+"""Reads, memory and shuffle on a simulated cluster: a streamed split (``ingest.cache=false``) read from storage
+slowed as S3 is, with 1, 2 and 3 CPU-only preprocessing nodes.
+
+Each measurement starts a fresh ``ray.cluster_utils.Cluster`` in its own process: a head node with no CPUs
+(the driver, which takes the batches as a training worker would) and N preprocessing nodes, each with its own
+CPUs, its own small object store and the label ``node-type=cpu``, to which the split's first step is pinned as
+a user pins it. Every read of the parquet files goes through a filesystem that waits ``--latency`` seconds per
+request and reads at ``--bandwidth`` bytes/s per stream (S3's first-byte latency and one GET's throughput), and
+records the bytes each node read. Per run: rows/s of each epoch and of epochs 2 on together, each preprocessing
+node's share of the bytes read, what the cluster spilled to disk (``ray memory --stats-only``).
+
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/cluster.py [--nodes 1,3] [--bare]
+
+``--bare`` drops the transform steps: every simulated node decodes on this machine's own cores, which then bound
+the figure instead of the reads. The data: CIFAR-10's 50,000 training rows twice over, in row groups of 500 rows
+(outputs/bench/data/cluster, written once). About 3 minutes a node count. Prints a table and writes
+outputs/bench/cluster.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from report import data_dir, table, write
+
+BENCH = Path(__file__).resolve().parent
+DATA = (BENCH.parent / "outputs" / "bench" / "data" / "cluster").resolve()
+GROUP_ROWS = 500
+EPOCHS = 4
+# --bare: no transform step, so that reading is all the work (this machine's 2 cores decode for every
+# simulated node); the head has no CPU, so everything still runs on the preprocessing nodes
+NO_STEPS = [
+    f"transforms.{split}.{step}=null"
+    for split, step in (("train", "decode"), ("train", "crop"), ("train", "flip"), ("valid", "decode"))
+]
+
+
+class SlowStorage(pafs.FileSystemHandler):
+    """The local filesystem as remote storage: each read request waits ``latency`` s plus its bytes at
+    ``bandwidth`` bytes/s, and the bytes each node read are appended to ``ledger`` (a directory)."""
+
+    def __init__(self, latency: float, bandwidth: float, ledger: str):
+        self.latency, self.bandwidth, self.ledger = latency, bandwidth, ledger
+        self.local = pafs.LocalFileSystem()
+
+    def __eq__(self, other):
+        return isinstance(other, SlowStorage) and vars(self) == vars(other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def get_type_name(self):
+        return "slow"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.local.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.local.get_file_info(selector)
+
+    def open_input_file(self, path):
+        import pyarrow as pa
+
+        return pa.PythonFile(SlowFile(open(path, "rb"), self), mode="r")
+
+    def open_input_stream(self, path):
+        return self.open_input_file(path)
+
+    def create_dir(self, *args):
+        raise NotImplementedError
+
+    delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = create_dir
+    move = copy_file = open_output_stream = open_append_stream = create_dir
+
+
+class SlowFile:
+    """A file whose every read waits as a remote GET does, and is recorded per node."""
+
+    def __init__(self, file, storage: SlowStorage):
+        self.file, self.storage, self.closed = file, storage, False
+
+    def read(self, size=-1):
+        data = self.file.read(size)
+        time.sleep(self.storage.latency + len(data) / self.storage.bandwidth)
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "driver"
+        with open(os.path.join(self.storage.ledger, f"{node}-{os.getpid()}"), "a") as ledger:
+            ledger.write(f"{len(data)}\n")
+        return data
+
+    def seek(self, offset, whence=0):
+        return self.file.seek(offset, whence)
+
+    def tell(self):
+        return self.file.tell()
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return False
+
+    def close(self):
+        self.closed = True
+        self.file.close()
+
+    @property
+    def size(self):
+        return os.fstat(self.file.fileno()).st_size
+
+
+def prepare() -> Path:
+    """CIFAR-10's training rows twice over (100,000 rows, so that an epoch outlasts its fixed costs) in row
+    groups of ``GROUP_ROWS`` (20 files), its test rows as they are."""
+    target = DATA / "cifar10"
+    if not (target / "train").exists():
+        rows = pq.read_table(sorted((Path(data_dir()) / "cifar10" / "train").glob("*.parquet")))
+        (target / "train").mkdir(parents=True)
+        step = rows.num_rows // 10
+        for i in range(20):
+            part = rows.slice(i % 10 * step, step)
+            pq.write_table(part, target / "train" / f"part-{i:02d}.parquet", row_group_size=GROUP_ROWS)
+        (target / "test").symlink_to(Path(data_dir()) / "cifar10" / "test")
+    return DATA
+
+
+def spilled(address: str) -> float:
+    """MiB the cluster spilled to disk so far (``ray memory --stats-only``)."""
+    out = subprocess.run(
+        ["ray", "memory", "--stats-only", "--address", address], capture_output=True, text=True, check=True
+    ).stdout
+    found = re.search(r"Spilled (\d+) MiB", out)
+    return float(found.group(1)) if found else 0.0
+
+
+def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bare: bool, extra: list[str]) -> dict:
+    """One cluster of ``nodes`` preprocessing nodes: rows/s per epoch, bytes read per node, MiB spilled."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=cpus, object_store_memory=store, labels={"node-type": "cpu"})
+    cluster.wait_for_nodes()
+    import ray
+
+    from pipeline.api import compose
+    from pipeline.data import preprocess
+    from pipeline.jobs import build
+    from pipeline.runtime import cluster as runtime
+
+    ledger, head = tempfile.mkdtemp(prefix="ledger-"), cluster.head_node.node_id
+    try:
+        cfg = compose(
+            [
+                f"source.root={prepare()}",
+                "source.download=null",
+                "ingest.cache=false",
+                *(NO_STEPS if bare else ["+transforms.train.decode.label_selector.node-type=cpu"]),
+                *(NO_STEPS if bare else ["+transforms.valid.decode.label_selector.node-type=cpu"]),
+                f"ray.address={cluster.address}",
+                *extra,
+            ]
+        )
+        runtime.connect(runtime.runtime(cfg.ray, cfg.scaling))
+        splits = build.sources(cfg)
+        slow = pafs.PyFileSystem(SlowStorage(latency, bandwidth, ledger))
+        for split in splits.values():
+            split.filesystem = slow
+        rates, seconds = [], []
+        with preprocess.training_data(cfg, splits) as data:
+            for epoch in range(EPOCHS):
+                ray.get(data.coordinator.set_epoch.remote(epoch))
+                start, rows = time.perf_counter(), 0
+                for batch in data.datasets["train"].iter_batches(batch_size=None):
+                    rows += len(batch["label"])
+                seconds.append(time.perf_counter() - start)
+                rates.append(round(rows / seconds[-1]))
+                assert rows == data.rows["train"], (rows, data.rows["train"])
+        by_node = Counter()
+        for name in os.listdir(ledger):
+            with open(os.path.join(ledger, name)) as reads:
+                by_node[name.rsplit("-", 1)[0]] += sum(int(line) for line in reads)
+        total = sum(by_node.values())
+        return {
+            "rows_s": rates,
+            "steady_rows_s": round(data.rows["train"] * (EPOCHS - 1) / sum(seconds[1:])),  # epochs 2 on, together
+            # the preprocessing nodes' shares of the bytes read (the head's: the driver's footer reads)
+            "read_share": sorted((round(v / total, 3) for k, v in by_node.items() if k != head), reverse=True),
+            "read_mib": round(total / 2**20, 1),
+            "spilled_mib": spilled(cluster.address),
+        }
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def main(
+    node_counts: list[int], cpus: int, store: int, latency: float, bandwidth: float, bare: bool, extra: list[str]
+) -> dict:
+    data_dir()
+    prepare()
+    results = {}
+    for nodes in node_counts:
+        command = [sys.executable, __file__, "--one", str(nodes), "--cpus", str(cpus), "--store", str(store)]
+        command += ["--latency", str(latency), "--bandwidth", str(bandwidth), *(["--bare"] if bare else []), *extra]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        results[nodes] = json.loads(out.strip().splitlines()[-1])
+        print(nodes, results[nodes], flush=True)
+    base = results[node_counts[0]]["steady_rows_s"]
+    rows = [
+        (
+            f"{nodes} node(s) x {cpus} CPUs",
+            *(f"{r:,}" for r in got["rows_s"]),
+            f"{got['steady_rows_s']:,}",
+            f"{got['steady_rows_s'] / base:.2f}x",
+            " / ".join(f"{s:.0%}" for s in got["read_share"]),
+            f"{got['spilled_mib']:,.0f}",
+        )
+        for nodes, got in results.items()
+    ]
+    header = (
+        "preprocessing nodes",
+        *(f"rows/s, epoch {e + 1}" for e in range(EPOCHS)),
+        f"epochs 2-{EPOCHS}",
+        "vs first",
+        "reads per node",
+        "spilled MiB",
+    )
+    print(table(rows, header))
+    settings = {"cpus": cpus, "store": store, "latency": latency, "bandwidth": bandwidth, "bare": bare, "extra": extra}
+    figures = {"settings": settings}
+    write("cluster", figures | {"runs": results})
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="A streamed split on a simulated cluster with slowed reads.")
+    parser.add_argument("--nodes", default="1,2,3", help="comma-separated preprocessing node counts")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs per preprocessing node")
+    parser.add_argument("--store", type=int, default=80 * 2**20, help="object store bytes per node")
+    parser.add_argument("--latency", type=float, default=0.6, help="seconds each read request waits")
+    parser.add_argument("--bandwidth", type=float, default=50e6, help="bytes/s of one read stream")
+    parser.add_argument("--bare", action="store_true", help="no transform step: reading is all the work")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one measurement, in this process
+    arguments, rest = parser.parse_known_args()
+    settings = (arguments.cpus, arguments.store, arguments.latency, arguments.bandwidth, arguments.bare, rest)
+    if arguments.one is not None:
+        print(json.dumps(one(arguments.one, *settings)))
+    else:
+        main([int(n) for n in arguments.nodes.split(",")], *settings)
