@@ -80,6 +80,7 @@ STARTS_RAY_OR_A_SERVER = {
     "s3_endpoint",
     "s3_with_auth",
     "cluster",
+    "preprocessing_cluster",
     "head",
     "tracking_server",
     "pretrained",

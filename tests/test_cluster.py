@@ -5,16 +5,18 @@ required, and the predict stage's replicas pinned to the "GPU" node. Checked thr
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from itertools import combinations
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import free_port
+from conftest import free_port, write_split
 from mlflow import MlflowClient
 from test_fault_tolerance import assert_each_epoch_once
 from test_pipeline import cli_env, no_runs_logged, run_cli
@@ -41,11 +43,11 @@ PLACEMENT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Head ("CPU node", with the dashboard for the state API) + a "GPU node", in their own process."""
+@contextmanager
+def local_cluster(layout: str):
+    """A cluster of ``layout`` (tests/local_cluster.py) in its own process, with the dashboard for the state API."""
     helper = subprocess.Popen(
-        [sys.executable, str(HERE / "two_node_cluster.py"), str(free_port())],
+        [sys.executable, str(HERE / "local_cluster.py"), layout, str(free_port())],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -57,6 +59,20 @@ def cluster():
     finally:
         helper.stdin.close()  # the helper shuts the cluster down
         assert helper.wait(timeout=120) == 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head ("CPU node") + a "GPU node"."""
+    with local_cluster("two-node") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def preprocessing_cluster():
+    """A training head + two CPU-only preprocessing nodes, each with a 100 MB object store."""
+    with local_cluster("preprocessing") as running:
+        yield running
 
 
 def node_command(cluster: dict, command: str) -> dict:
@@ -307,3 +323,45 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
     assert_each_epoch_once(client, run.info.run_id, 24)
     ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"], added}  # only the nodes with an elastic_slot
+
+
+@pytest.mark.slow
+def test_a_streamed_split_is_read_on_both_preprocessing_nodes_each_within_its_store(tmp_path, preprocessing_cluster):
+    """Three nodes: training on the head, the decode pinned to two CPU-only nodes by label, as a user writes it. A
+    streamed split of several windows (ingest.cache_share=0.1 of the two 100 MB stores) is read on the two
+    preprocessing nodes, each between a quarter and three quarters of the bytes, never on the head; the cluster spills
+    nothing; every row reaches training once an epoch, and the model learns."""
+    data = tmp_path / "data"
+    write_split(data / "cifar10" / "train", 3000, 12, seed=1)
+    write_split(data / "cifar10" / "test", 256, 2, seed=2)
+    address = preprocessing_cluster["address"]
+    result = run_cli(
+        [
+            "+experiment=smoke",
+            "source.limit=null",
+            "train.epochs=2",
+            "ingest.cache=false",
+            "ingest.shuffle=true",
+            "ingest.cache_share=0.1",
+            "+scaling.label_selector.node-type=train",
+            "+transforms.train.decode.label_selector.node-type=cpu",
+            "+transforms.valid.decode.label_selector.node-type=cpu",
+            f"ray.address={address}",
+            f"storage.path={tmp_path / 'storage'}",
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+        data,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.metrics["val_accuracy"] > 0.2  # 10 classes: chance is 0.1
+    rows = client.get_metric_history(run.info.run_id, "train_rows")
+    assert sorted(m.step for m in rows) == [0, 1] and {m.value for m in rows} == {3000}
+    assert "skipped_rows" not in run.data.metrics
+    shares = {node: int(share) / 100 for node, share in re.findall(r"(\w{8}) (\d+)%", run.data.tags["pipeline.reads"])}
+    cpu_nodes = {preprocessing_cluster[name][:8] for name in ("cpu_node_0", "cpu_node_1")}
+    assert set(shares) == cpu_nodes and all(0.25 <= share <= 0.75 for share in shares.values()), shares
+    memory = subprocess.run(["ray", "memory", "--stats-only", "--address", address], capture_output=True, text=True)
+    assert memory.returncode == 0 and "Spilled" not in memory.stdout, memory.stdout
