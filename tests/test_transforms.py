@@ -503,14 +503,15 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
 
 def test_the_modules_ray_tasks_import_leave_torch_and_mlflow_out():
     """A new Ray task or actor process imports these to unpickle what it runs (Ray Data's steps and cache
-    pieces, the epoch counter, the event queue, the report relay); torch or MLflow among their imports
-    would delay every such process by seconds: a run's start-up and its first epoch's data wait."""
+    pieces, the job's data coordinator and readers, the event queue, the report relay); torch or MLflow among
+    their imports would delay every such process by seconds: a run's start-up and its first epoch's data wait."""
     import subprocess
     import sys
 
     modules = (
         "pipeline.data.preprocess, pipeline.data.steps, pipeline.data.cache, pipeline.data.stream, "
-        "pipeline.data.pieces, pipeline.training.events, pipeline.training.relay, transforms"
+        "pipeline.data.coordinator, pipeline.data.pieces, pipeline.training.events, pipeline.training.relay, "
+        "transforms"
     )
     code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
