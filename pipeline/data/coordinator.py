@@ -81,7 +81,10 @@ class Coordinator:
     async def read(self, plan: Plan, key: int) -> tuple[list[ray.ObjectRef], list[list]]:
         """The window's row groups, an equal share read by each reader of the plan's placement: their pieces'
         refs and sizes, in the window's order, once every reader is done."""
-        readers = self.readers.setdefault(repr(plan.where), start_readers(plan.where))
+        where = repr(plan.where)
+        if where not in self.readers:
+            self.readers[where] = start_readers(plan.where)
+        readers = self.readers[where]
         epoch, index = divmod(key, plan.windows)
         window = window_groups(len(plan.groups), plan.seed, epoch, plan.windows)[index]
         shares = [share for share in np.array_split(window, len(readers)) if len(share)]

@@ -8,7 +8,6 @@ rows, read by Ray Data in their stored order.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,6 @@ from pipeline.data.coordinator import Coordinator
 from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed
 from pipeline.runtime.cluster import placeable_nodes
 
-log = logging.getLogger(__name__)
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
 
 
