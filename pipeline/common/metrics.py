@@ -61,11 +61,11 @@ COUNTERS = {
     "param_bytes": Metric(lower_is_better=True),
     "optimizer_bytes": Metric(lower_is_better=True),
     "checkpoint_stall_s": Metric(lower_is_better=True),  # what the previous epoch's checkpoint held training up
-    # a classification's labels per training batch against a full shuffle's (1: as mixed; docs/own-data.md)
-    "label_mix": Metric(lower_is_better=False),
     # a worker's peak memory (rank 0's): the GPU's allocated bytes, or on CPU the process's peak resident size
     "peak_memory_bytes": Metric(lower_is_better=True),
 }
+# a classification's labels per training batch against a full shuffle's (1: as mixed; docs/own-data.md)
+MIXING = {"label_mix": Metric(lower_is_better=False)}
 # The metrics a task type can declare (task.metrics); a classification also takes topK_accuracy, any K.
 REGRESSION = {
     "mae": Metric(True, absolute_error),
@@ -89,9 +89,10 @@ def task_metric(task_type: str, name: str) -> Metric | None:
 
 def epoch_metrics(task_type: str, names: list[str]) -> dict[str, Metric]:
     """What every epoch of a run reports, in the order the console and MLflow show it: the losses, each
-    of the task's metrics ``names`` (``task.metrics``) as ``val_<name>``, the counters."""
+    of the task's metrics ``names`` (``task.metrics``) as ``val_<name>``, the counters (a classification's
+    with its ``label_mix``)."""
     declared = {f"val_{name}": task_metric(task_type, name) for name in names}
-    return {**LOSSES, **declared, **COUNTERS}
+    return {**LOSSES, **declared, **COUNTERS, **(MIXING if task_type == "classification" else {})}
 
 
 def first_task_metric(names: list[str]) -> str:
