@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -92,7 +93,9 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     replica = replica_of(torch.nn.Linear(4, outputs), task)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
-    metrics = train_epoch(replica, batches, epoch_cfg(), 0, 3, None) | validate(replica, batches)
+    cfg = epoch_cfg()
+    cfg = replace(cfg, task=task, source=replace(cfg.source, num_classes=3 if task.type == "classification" else None))
+    metrics = train_epoch(replica, batches, cfg, 0, 3, None) | validate(replica, batches)
     # the loop adds the one figure an epoch cannot know of itself: what the previous checkpoint held training up
     assert set(metrics) | {"checkpoint_stall_s"} == set(epoch_metrics(task.type, task.metrics))
     assert metrics["param_bytes"] == 4 * (4 * outputs + outputs)  # float32 weight and bias
