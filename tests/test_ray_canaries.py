@@ -357,3 +357,42 @@ def test_mlflows_system_metrics_monitor_logs_into_a_run_the_client_api_made(tmp_
     monitor.finish()
     logged = client.get_run(run_id).data.metrics
     assert "system/cpu_utilization_percentage" in logged and "system/system_memory_usage_megabytes" in logged
+
+
+MANY_IDLE_ACTORS = """
+import os, time
+import ray
+from pipeline.runtime.cluster import start_ray
+
+cores = os.cpu_count()
+start_ray(None, 2 * cores)  # a local runtime of twice as many logical CPUs as cores, as the pipeline starts one
+
+
+@ray.remote(num_cpus=0)
+class Idle:
+    def pid(self):
+        return os.getpid()
+
+
+actors = [Idle.remote() for _ in range(4 * cores + 8)]
+print(len(set(ray.get([actor.pid.remote() for actor in actors]))), "actors", flush=True)
+time.sleep(3)  # the raylet's warning reaches the driver through the GCS
+"""
+
+
+@pytest.mark.slow  # starts Ray in a subprocess, twice
+@pytest.mark.parametrize("concurrency", ["Ray's", "ours"])
+def test_ray_warns_of_worker_processes_at_four_times_the_cores_unless_sized_to_the_logical_cpus(concurrency):
+    """Workaround: ``local_runtime_settings`` sets ``RAY_worker_maximum_startup_concurrency`` to the local
+    runtime's logical CPUs. Ray warns once 4 x min(cores, num_cpus) worker processes run beside its 8 I/O
+    workers' allowance: 4 x cores + 8 actors on twice as many logical CPUs as cores pass that, and stay under
+    the 8 x cores + 8 of the pipeline's setting."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_worker_maximum_startup_concurrency", "RAY_ADDRESS")}
+    if concurrency == "Ray's":  # what Ray's raylet is told without the workaround: min(cores, num_cpus)
+        env["RAY_worker_maximum_startup_concurrency"] = str(os.cpu_count())
+    done = subprocess.run([sys.executable, "-c", MANY_IDLE_ACTORS], env=env, capture_output=True, text=True)
+    assert f"{4 * os.cpu_count() + 8} actors" in done.stdout, done.stderr[-2000:]
+    warned = "worker processes have been started" in done.stdout + done.stderr
+    assert warned == (concurrency == "Ray's")

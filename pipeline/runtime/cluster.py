@@ -103,7 +103,7 @@ def start_ray(
     if ray.is_initialized():
         return
     if address is None:
-        workarounds.local_runtime_settings()
+        workarounds.local_runtime_settings(num_cpus or os.cpu_count() or 1)
     else:
         workarounds.check_reachable(address, unreachable)
     try:
