@@ -65,10 +65,10 @@ def test_a_split_larger_than_its_budget_streams_in_windows_of_row_groups_drawn_a
             assert len({stored[image] for image in rows[at : at + 16]}) == 2
 
 
-def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_each_of_its_tasks_has_asked(tmp_path, ray_runtime):
+def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_its_tasks_are_done_with_it(tmp_path, ray_runtime):
     """Asked for a window, the coordinator has it read and the next one with it; it lets a window go once all
-    three of its tasks have asked (theirs hold its pieces); an epoch left behind goes; a task retried after its
-    window went has it read again, for itself."""
+    three of its tasks have asked and a window two later is asked for; an epoch left behind goes; a task retried
+    after its window went has it read again, for itself, and it goes at the next ask."""
     cfg, split = row_groups_split(tmp_path, files=4)
     coordinator = preprocess.start_coordinator()
 
@@ -84,13 +84,17 @@ def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_each_of_its_tasks
         ray.get(coordinator.window.remote("train", plan, 0, 1))
         assert held() == [0, 1, 2]
         ray.get([coordinator.window.remote("train", plan, 0, 0) for _ in range(2)])  # window 0's other two tasks
-        assert held() == [1, 2]
+        assert held() == [0, 1, 2]  # window 0's tasks may still gather from it
+        ray.get(coordinator.window.remote("train", plan, 0, 2))
+        assert held() == [1, 2, 3]  # two windows on, window 0 went; window 1, one before the newest, stays
         refs, sizes = ray.get(coordinator.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
-        assert held() == [2, 6, 7]  # epoch 0's window 1, more than an epoch behind, went
+        assert held() == [2, 3, 6, 7]  # epoch 0's window 1, more than an epoch behind, went
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16
         refs, sizes = ray.get(coordinator.window.remote("train", plan, 0, 0))  # a retried task of window 0
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16  # read again for it
-        assert held() == [2, 6, 7]
+        assert held() == [0, 2, 3, 6, 7]
+        ray.get(coordinator.window.remote("train", plan, 1, 2))
+        assert held() == [2, 3, 6, 7]  # the retried read goes at the next ask
         assert sum(ray.get(coordinator.reads.remote()).values()) > 0  # the bytes read, by node
     finally:
         ray.kill(coordinator)

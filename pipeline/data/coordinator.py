@@ -4,7 +4,8 @@ the training workers are reading, and the windows of every streamed split (:mod:
 It keeps the plan and the object refs of what was read, never the bytes: asked for a window, it has the job's
 readers (:class:`pipeline.data.stream.Reader`, one per preprocessing node, started here for each placement a
 split asks for) read an equal share of it each, and the next window with it, read while this one's rows are
-gathered; it lets go of a window once every task of it has asked (theirs keep its pieces until they end). A
+gathered. The readers own what they read and keep it until the coordinator lets the window go: once every task
+of it has asked and a window two later is asked for (the store holds a window, the next and the last). A
 gathering task asks it twice (the epoch, and a streamed split's window), whatever the batches it hands on: one
 small call per ~1,000 rows.
 """
@@ -29,8 +30,9 @@ class Coordinator:
     def __init__(self) -> None:
         self.epoch = 0
         self.plans: dict[str, Plan] = {}
-        # (split, epoch * windows + window) -> its (pieces, sizes), once read
-        self.held: dict[tuple[str, int], asyncio.Future] = {}
+        # (split, epoch * windows + window) -> the number of its read, and its (pieces, sizes) once read
+        self.held: dict[tuple[str, int], tuple[int, asyncio.Future]] = {}
+        self.reads_started = 0
         self.newest: dict[str, int] = {}  # split -> the newest window asked for
         self.asked: Counter[tuple[str, int]] = Counter()  # how many of a window's tasks have asked for it
         self.readers: dict[str, list] = {}  # a placement (repr) -> the readers on its nodes
@@ -60,14 +62,26 @@ class Coordinator:
         key = epoch * plan.windows + index
         newest = self.newest[split] = max(self.newest.get(split, key), key)
         self.start(split, key)  # read already, unless a task retried after its window went
-        self.start(split, newest + 1)  # read ahead while this window's rows are gathered
-        window = self.held[split, key]
+        _, window = self.held[split, key]
         self.asked[split, key] += 1
-        if self.asked[split, key] >= len(window_tasks(index, plan.tasks, plan.windows)):
-            del self.held[split, key]  # every task of it has asked: theirs keep the pieces alive until they end
-        for old in [k for k in self.held if k[0] == split and k[1] < newest - plan.windows]:  # an epoch cut short
-            del self.held[old]
+        for old in [k for name, k in self.held if name == split and k != key and self.done_with(split, k)]:
+            self.drop(split, old)
+        self.start(split, newest + 1)  # read ahead while this window's rows are gathered
         return await asyncio.shield(window)
+
+    def done_with(self, split: str, key: int) -> bool:
+        """Whether window ``key`` of ``split`` may go: each of its tasks has asked for it and a window two later
+        has been asked for (its tasks are done with it), or it is more than an epoch behind (an epoch cut short)."""
+        plan, newest = self.plans[split], self.newest[split]
+        tasks = len(window_tasks(key % plan.windows, plan.tasks, plan.windows))
+        return key < newest - plan.windows or (key < newest - 1 and self.asked[split, key] >= tasks)
+
+    def drop(self, split: str, key: int) -> None:
+        """Let window ``key`` of ``split`` go: once read, its readers release its pieces (a task that still
+        gathers from them keeps them alive)."""
+        read, window = self.held.pop((split, key))
+        where = repr(self.plans[split].where)
+        window.add_done_callback(lambda _: [reader.release.remote(read) for reader in self.readers.get(where, [])])
 
     async def holding(self, split: str) -> list[int]:
         """The windows of ``split`` it holds or is reading (epoch * windows + window): what the stores hold of it."""
@@ -76,11 +90,13 @@ class Coordinator:
     def start(self, split: str, key: int) -> None:
         """Start reading window ``key`` of ``split`` unless it is read or being read."""
         if (split, key) not in self.held:
-            self.held[split, key] = asyncio.ensure_future(self.read(self.plans[split], key))
+            self.reads_started += 1
+            read = self.reads_started
+            self.held[split, key] = read, asyncio.ensure_future(self.read(self.plans[split], key, read))
 
-    async def read(self, plan: Plan, key: int) -> tuple[list[ray.ObjectRef], list[list]]:
-        """The window's row groups, an equal share read by each reader of the plan's placement: their pieces'
-        refs and sizes, in the window's order, once every reader is done."""
+    async def read(self, plan: Plan, key: int, read: int) -> tuple[list[ray.ObjectRef], list[list]]:
+        """The window's row groups, an equal share read by each reader of the plan's placement as its read number
+        ``read``: their pieces' refs and sizes, in the window's order, once every reader is done."""
         where = repr(plan.where)
         if where not in self.readers:
             self.readers[where] = start_readers(plan.where)
@@ -90,7 +106,7 @@ class Coordinator:
         shares = [share for share in np.array_split(window, len(readers)) if len(share)]
         done = await asyncio.gather(
             *(
-                reader.read.remote([plan.groups[g] for g in share], plan.filesystem, plan.columns)
+                reader.read.remote(read, [plan.groups[g] for g in share], plan.filesystem, plan.columns)
                 for reader, share in zip(readers, shares)
             )
         )

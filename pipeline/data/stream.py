@@ -47,17 +47,25 @@ class Reader:
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="read")
+        self.held: dict[int, list[ray.ObjectRef]] = {}  # a read's pieces, until the coordinator releases it
 
     async def read(
-        self, groups: list[RowGroup], filesystem: pafs.FileSystem, columns: list[str]
+        self, read: int, groups: list[RowGroup], filesystem: pafs.FileSystem, columns: list[str]
     ) -> tuple[list[ray.ObjectRef], list[tuple[int, int]], str]:
-        """``groups`` read at once: each one's object (stored on this node), its ``(rows, bytes)``, this node's id."""
+        """``groups`` read at once: each one's object (stored on this node), its ``(rows, bytes)``, this node's id.
+        The reader owns the objects and keeps them until :meth:`release` of ``read``: while it does, the tasks the
+        coordinator hands them on to find them whatever their borrowing of them says."""
         loop = asyncio.get_running_loop()
         tables = await asyncio.gather(
             *(loop.run_in_executor(self.pool, read_piece, group, filesystem, columns) for group in groups)
         )
         node = ray.get_runtime_context().get_node_id()
-        return [ray.put(table) for table in tables], [(table.num_rows, table.nbytes) for table in tables], node
+        self.held[read] = [ray.put(table) for table in tables]
+        return self.held[read], [(table.num_rows, table.nbytes) for table in tables], node
+
+    def release(self, read: int) -> None:
+        """Let go of the pieces of ``read``: tasks still gathering from them hold their own references."""
+        self.held.pop(read, None)
 
 
 def start_readers(where: dict) -> list[ray.actor.ActorHandle]:
