@@ -56,13 +56,15 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
     console goes to ``log`` when given."""
     start = time.perf_counter()
     with open(log, "w") if log else open(os.devnull, "w") as console:
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"],
-            check=True,
             stdout=console,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
+    if done.returncode:
+        said = log.read_text()[-3000:] if log else ""
+        raise RuntimeError(f"python -m pipeline {' '.join(args)} exited {done.returncode}:\n{said}")
     wall = time.perf_counter() - start
     client, run = last_run(outputs)
 
@@ -73,6 +75,7 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "samples_s": [round(v) for v in history("train_throughput")],
         "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
         "val_accuracy": [round(v, 4) for v in history("val_accuracy")],
+        "label_mix": [round(v, 3) for v in history("label_mix")],
         "startup_s": round(history("startup_s")[0], 1),
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "wall_s": round(wall, 1),
