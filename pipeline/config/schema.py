@@ -217,7 +217,9 @@ class IngestConfig:
     # output in Ray's object store, so later epochs run only the random steps: auto (on when the estimate,
     # from the first rows, fits cache_share of the store), true (fail before training when it does not), false
     cache: Any = "auto"
-    cache_share: float = 0.5  # of the object store the cache may take; Ray Data streams through the rest
+    # of the preprocessing nodes' object stores the cache may take (a third of it: a streamed split's window, the
+    # next and the last); Ray Data streams through the rest
+    cache_share: float = 0.5
     # scale float features by the training split's per-feature mean and std (computed before training,
     # saved with the run and applied by predict too): for tables of numbers
     standardize: bool = False
