@@ -50,8 +50,8 @@ class TrainingData:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        """The job is over: its coordinator goes, and the pieces it holds with it (the datasets' tasks end with
-        their job)."""
+        """The job is over: its coordinator goes, and with it its readers and the pieces they hold (the datasets'
+        tasks end with their job)."""
         ray.kill(self.coordinator)
 
     def reads(self) -> str | None:
@@ -103,7 +103,7 @@ class Mixing:
 
 
 def start_coordinator() -> Any:
-    """The job's coordinator, on this process's node: it owns what the streams read, and goes with the job."""
+    """The job's coordinator, on this process's node: it starts the streams' readers, and goes with the job."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return Coordinator.options(scheduling_strategy=here).remote()
 
@@ -228,7 +228,8 @@ def streamed_dataset(
 ) -> tuple[ray.data.Dataset, stream.Stream]:
     """``split`` (called ``name``, its row ``groups``) read anew every epoch (:mod:`pipeline.data.stream`), in a
     new order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a
-    time read by tasks where the split's first step may run, every step run as its rows are gathered.
+    time read by a reader on each node where the split's first step may run, every step run as its rows are
+    gathered.
     ``columns`` as :func:`dataset`'s."""
     steps, where = streamed(split.steps), read_placement(split.steps)
     columns_read = [*split.layout.inputs, *columns[1:]]
