@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -24,20 +26,98 @@ def data_dir() -> str:
     return path
 
 
-def write(name: str, figures: dict) -> Path:
-    """Write ``outputs/bench/<name>.json`` and return its path."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+def machine() -> dict:
+    """The machine a figure was taken on: cores, memory, GPU (none: CPU only), platform."""
+    import psutil
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    memory = round(psutil.virtual_memory().total / 2**30)
+    return {"cpus": os.cpu_count(), "memory_gib": memory, "gpu": gpu, "platform": platform.platform()}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+
+def write(name: str, figures: dict, rows: list[dict] | None = None) -> Path:
+    """Write ``outputs/bench/<name>.json`` (the figures, the comparisons ``rows`` that docs/figures.md shows, the
+    date, machine, versions and commit, and whether the tree had uncommitted changes) and return its path."""
     report = {
         "figures": figures,
-        "commit": commit,
+        "rows": rows or [],
+        "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
         "versions": {p: version(p) for p in PACKAGES},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+        "machine": machine(),
     }
     out = OUT_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return out
+
+
+def spread(values: list[float], digits: int = 2) -> dict:
+    """Mean, least and most of a figure over runs."""
+    return {
+        "mean": round(statistics.mean(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "runs": len(values),
+    }
+
+
+def describe(baseline: tuple[str, str], cached: bool) -> tuple[str, str]:
+    """A baseline's name in a row, and what the comparison holds equal (or what differs)."""
+    data, transforms = baseline
+    name = "the pipeline's steps" if transforms == "pipeline" else "torchvision's transforms"
+    name += ", decoded once, in memory" if data == "decoded" else ", decoded every epoch"
+    kind = "like for like" if transforms == "pipeline" else "the usual code"
+    if cached and data == "encoded":
+        kind = "cache against re-decode"
+    return f"plain loop: {name}", kind
+
+
+def comparison(run: str, baseline: str, kind: str, ours: list[dict], theirs: list[dict]) -> dict:
+    """One row of docs/figures.md: the pipeline's runs ``ours`` against the baseline's runs ``theirs`` (paired by
+    index: the same seed), per epoch (samples/s and their ratio), over the whole command (seconds from the command
+    to its last validation, and the baseline's over ours: above 1, the pipeline's command ends sooner) and in
+    accuracy. ``kind`` says what is held equal: ``like for like`` or what differs (e.g. a cache against a
+    re-decode)."""
+    pairs = list(zip(ours, theirs))
+    epochs = len(ours[0]["samples_s"])
+    return {
+        "run": run,
+        "baseline": baseline,
+        "kind": kind,
+        "samples_s": [
+            {
+                "pipeline": spread([o["samples_s"][e] for o in ours], 0),
+                "baseline": spread([t["samples_s"][e] for t in theirs], 0),
+                "ratio": spread([o["samples_s"][e] / t["samples_s"][e] for o, t in pairs]),
+                "data_wait": {
+                    "pipeline": spread([o["data_wait_fraction"][e] for o in ours]),
+                    "baseline": spread([t["data_wait_fraction"][e] for t in theirs]),
+                },
+            }
+            for e in range(epochs)
+        ],
+        "startup_s": {
+            "pipeline": spread([o["startup_s"] for o in ours], 1),
+            "baseline": spread([t["startup_s"] for t in theirs], 1),
+        },
+        "to_validation_s": {
+            "pipeline": spread([o["to_validation_s"] for o in ours], 1),
+            "baseline": spread([t["to_validation_s"] for t in theirs], 1),
+            "ratio": spread([t["to_validation_s"] / o["to_validation_s"] for o, t in pairs]),
+        },
+        "val_accuracy": {
+            "pipeline": spread([o["val_accuracy"][-1] for o in ours], 4),
+            "baseline": spread([t["val_accuracy"][-1] for t in theirs], 4),
+        },
+    }
 
 
 def table(rows: list[tuple], header: tuple) -> str:
@@ -49,28 +129,38 @@ def table(rows: list[tuple], header: tuple) -> str:
     )
 
 
+def command(args: list[str], log: Path | None = None, env: dict | None = None) -> tuple[float, float, str]:
+    """Run ``args`` as a command (its console to ``log`` when given); its wall-clock start, its seconds to exit and
+    the console's last line. A failure raises with the console's tail."""
+    launched, start = time.time(), time.perf_counter()
+    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as console:
+        done = subprocess.run(args, stdout=console, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        console.seek(0)
+        said = console.read()
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{said[-3000:]}")
+    return launched, round(time.perf_counter() - start, 1), said.strip().splitlines()[-1] if said.strip() else ""
+
+
+def bench_env() -> dict:
+    """What a benchmark's commands need: bench/ on the path (its model, ``probe``)."""
+    here = str(Path(__file__).resolve().parent)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+
+
 def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: Path | None = None) -> dict:
     """Run ``python -m pipeline ARGS`` as a user does; its figures come back from the MLflow run it logged
     in ``outputs``: samples/s, data_wait_fraction and val_accuracy per epoch, startup_s (command to first
-    training step), the cache's build seconds (when it cached) and the command's wall time. The command's
-    console goes to ``log`` when given."""
-    start = time.perf_counter()
-    with open(log, "w") if log else open(os.devnull, "w") as console:
-        done = subprocess.run(
-            [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"],
-            stdout=console,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-    if done.returncode:
-        said = log.read_text()[-3000:] if log else ""
-        raise RuntimeError(f"python -m pipeline {' '.join(args)} exited {done.returncode}:\n{said}")
-    wall = time.perf_counter() - start
+    training step), the cache's build seconds (when it cached), seconds from the command to its last
+    validation (``to_validation_s``, the whole run as the plain loop's is timed) and to its exit (``wall_s``)."""
+    argv = [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"]
+    launched, wall, _ = command(argv, log, {**bench_env(), **(env or {})})
     client, run = last_run(outputs)
 
     def history(key: str) -> list[float]:
         return metric_history(client, run, key)
 
+    validations = client.get_metric_history(run.info.run_id, "val_accuracy")
     return {
         "samples_s": [round(v) for v in history("train_throughput")],
         "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
@@ -78,8 +168,21 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "label_mix": [round(v, 3) for v in history("label_mix")],
         "startup_s": round(history("startup_s")[0], 1),
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
-        "wall_s": round(wall, 1),
+        "to_validation_s": round(max(m.timestamp for m in validations) / 1000 - launched, 1),
+        "wall_s": wall,
     }
+
+
+def plain_run(data: str, transforms: str, overrides: list[str], device: str = "cpu", log: Path | None = None) -> dict:
+    """Run the plain loop (``bench/plain.py``, the baseline ``data`` x ``transforms``) as a command of its own:
+    its per-epoch figures, seconds from the command to its first training step (``startup_s``, as the pipeline's),
+    to its last validation and to its exit."""
+    script = str(Path(__file__).with_name("plain.py"))
+    argv = [sys.executable, script, "--data", data, "--transforms", transforms, "--device", device, *overrides]
+    launched, wall, last = command(argv, log, bench_env())
+    figures = json.loads(last)
+    first_step_s, to_validation_s = (round(figures.pop(key) - launched, 1) for key in ("first_step_at", "validated_at"))
+    return {**figures, "startup_s": first_step_s, "to_validation_s": to_validation_s, "wall_s": wall}
 
 
 def last_run(outputs: Path):
@@ -105,3 +208,35 @@ def ray_floor(overrides: list[str]) -> float:
     command = [sys.executable, str(Path(__file__).with_name("floor.py")), *shape]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["startup_s"]
+
+
+def span(figure: dict, unit: str = "", digits: int = 2) -> str:
+    """``min - max`` of a :func:`spread` (one value when they agree), thousands separated."""
+    low, high = (f"{figure[k]:,.{digits}f}{unit}" for k in ("min", "max"))
+    return low if low == high else f"{low} - {high}"
+
+
+def comparison_cells(row: dict) -> tuple[str, ...]:
+    """A :func:`comparison` as table cells: what ran, against what (and what is held equal), the ratio per epoch,
+    the whole command's seconds and ratio, and mean accuracy (each range over the runs)."""
+    whole = row["to_validation_s"]
+    return (
+        row["run"],
+        f"{row['baseline']} ({row['kind']})",
+        " / ".join(span(epoch["ratio"], "x") for epoch in row["samples_s"]),
+        f"{span(whole['pipeline'], ' s', 1)} vs {span(whole['baseline'], ' s', 1)}: {span(whole['ratio'], 'x')}",
+        f"{row['val_accuracy']['pipeline']['mean']:.3f} / {row['val_accuracy']['baseline']['mean']:.3f}",
+    )
+
+
+COMPARISON_HEADER = (
+    "run",
+    "baseline",
+    "pipeline / baseline, samples/s per epoch",
+    "command to its last validation, pipeline vs baseline (baseline / pipeline)",
+    "val_accuracy, pipeline / baseline (mean)",
+)
+
+
+def comparisons_table(rows: list[dict]) -> str:
+    return table([comparison_cells(row) for row in rows], COMPARISON_HEADER)
