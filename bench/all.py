@@ -1,20 +1,181 @@
-"""Every benchmark, one after another (never beside tests or each other: they share two cores).
+"""Every figure the README shows, taken again by one command, one benchmark after another (never beside tests or
+each other: they share the cores), and written where the docs read them:
 
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py --quick
 
-About 55 minutes on 2 cores (ingest.py, three seeds of four sets: about 30); each script prints its
-table and writes outputs/bench/<name>.json.
+- ``--quick`` (about 70 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
+  (``train.py``), the ingest-bound sets (``ingest.py``), the start-up (``startup.py``), and on a machine with a
+  GPU the GPU rows (``gpu.py``);
+- ``--full``: the same, then every other benchmark (their figures stay in outputs/bench/ and docs/performance.md);
+- ``--render``: only writes docs/figures.md and the README's table again from docs/figures.json.
+
+Writes docs/figures.json (every run's figures, with the date, machine, versions and commit), docs/figures.md
+(every comparison in full) and the README's table between its ``figures`` markers.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ("ingest.py", "train.py", "startup.py", "step.py", "sweep_overhead.py", "tune_sweep.py")
+from report import COMPARISON_HEADER, OUT_DIR, comparison_cells, span, spread
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES, PAGE, README = ROOT / "docs" / "figures.json", ROOT / "docs" / "figures.md", ROOT / "README.md"
+QUICK = ("train.py", "ingest.py", "startup.py")
+REST = ("step.py", "sweep_overhead.py", "tune_sweep.py", "shuffle.py", "cluster.py", "checkpoint.py", "levers.py")
+MARKERS = ("<!-- figures: written by bench/all.py from docs/figures.json -->", "<!-- /figures -->")
+EARLIER_GPU = (
+    "No GPU has run these baselines yet. The earlier H100 figures (docs/performance.md#on-a-gpu) were taken with "
+    "torch 2.11 against a plain loop that normalized to float32 on the CPU without pinned memory: read them as that."
+)
+
+
+def run(scripts: tuple[str, ...], gpu: bool) -> None:
+    """Each benchmark in turn; ``gpu.py`` too where there is a GPU."""
+    for script in (*scripts, "gpu.py") if gpu else scripts:
+        print(f"\n== bench/{script}", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).with_name(script))], check=True, cwd=ROOT)
+
+
+def collect(names: list[str]) -> dict:
+    """The benchmarks' reports (outputs/bench/<name>.json) as one record."""
+    command = "python bench/all.py --quick"
+    return {"command": command, "benches": {n: json.loads((OUT_DIR / f"{n}.json").read_text()) for n in names}}
+
+
+def taken(reports: list[dict]) -> str:
+    """When, on what and from which commit ``reports`` were taken."""
+    first, last = min(r["taken"] for r in reports), max(r["taken"] for r in reports)
+    setups = set()
+    for report in reports:
+        machine, versions = report["machine"], report["versions"]
+        dirty = " with uncommitted changes" if report["uncommitted_changes"] else ""
+        setups.add(
+            f"{machine['cpus']} cores, {machine['memory_gib']} GiB, {machine['gpu'] or 'no GPU'}; commit "
+            f"{report['commit']}{dirty}; ray {versions['ray']}, torch {versions['torch']}"
+        )
+    return f"{first if first == last else f'{first} to {last}'}; {'; '.join(sorted(setups))}"
+
+
+def startup_line(report: dict) -> str:
+    """The start-up against Ray's floor, as a sentence."""
+    figures = report["figures"]
+    ours, floor = spread(figures["pipeline_startup_s"], 1), spread(figures["floor_startup_s"], 1)
+    ratio = spread([p / f for p, f in zip(figures["pipeline_startup_s"], figures["floor_startup_s"])])
+    return (
+        f"From the command to the first training step, `+experiment=smoke` takes {span(ours, ' s', 1)}, Ray Train + "
+        f"Ray Data alone in a job of the same shape (`bench/floor.py`) {span(floor, ' s', 1)}: "
+        f"{span(ratio, 'x')} as long ({ours['runs']} interleaved pairs)."
+    )
+
+
+def markdown(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    lines = [header, tuple("---" for _ in header), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def readme_table(record: dict) -> str:
+    """The README's figures: every comparison's headline and the start-up, each bench's date and machine."""
+    benches = record["benches"]
+    rows = [comparison_cells(row) for bench in benches.values() for row in bench["rows"]]
+    lines = [
+        f"Taken by `{record['command']}`: {taken(list(benches.values()))}. Ranges are over {runs(record)} runs "
+        "(seeds); a ratio above 1x is the pipeline ahead. Every run's figures, the data waits and the absolute rates: "
+        "[docs/figures.md](docs/figures.md).",
+        "",
+        markdown(rows, COMPARISON_HEADER),
+        "",
+        startup_line(benches["startup"]),
+    ]
+    if "gpu" not in benches:
+        lines += ["", EARLIER_GPU]
+    return "\n".join(lines)
+
+
+def runs(record: dict) -> str:
+    counts = {e["ratio"]["runs"] for b in record["benches"].values() for row in b["rows"] for e in row["samples_s"]}
+    return " - ".join(str(c) for c in sorted(counts))
+
+
+def detail(row: dict) -> str:
+    """One comparison in full: per epoch each side's samples/s and data wait, the whole command, accuracy."""
+    epochs = [
+        (
+            f"epoch {e + 1}",
+            span(epoch["pipeline"], digits=0),
+            span(epoch["baseline"], digits=0),
+            span(epoch["ratio"], "x"),
+            f"{span(epoch['data_wait']['pipeline'])} / {span(epoch['data_wait']['baseline'])}",
+        )
+        for e, epoch in enumerate(row["samples_s"])
+    ]
+    whole, first, accuracy = row["to_validation_s"], row["startup_s"], row["val_accuracy"]
+    first_step = ("command to first training step", span(first["pipeline"], " s", 1), span(first["baseline"], " s", 1))
+    epochs.append((*first_step, "", ""))
+    epochs.append(
+        (
+            "command to last validation",
+            span(whole["pipeline"], " s", 1),
+            span(whole["baseline"], " s", 1),
+            span(whole["ratio"], "x") + " (baseline / pipeline)",
+            "",
+        )
+    )
+    epochs.append(("val_accuracy", span(accuracy["pipeline"], digits=4), span(accuracy["baseline"], digits=4), "", ""))
+    header = ("", "pipeline, samples/s", "baseline, samples/s", "pipeline / baseline", "data wait, pipeline / baseline")
+    return f"### {row['run']}, against the {row['baseline']} ({row['kind']})\n\n{markdown(epochs, header)}"
+
+
+def page(record: dict) -> str:
+    benches = record["benches"]
+    sections = [
+        "# Figures\n",
+        f"Written by `{record['command']}` (bench/all.py) from docs/figures.json; do not edit by hand. Each "
+        "side of a comparison is a command of its own, run one after the other, per seed. The plain loop is "
+        "`bench/plain.py`; which baseline a row ran against is in its title. A baseline that holds its data "
+        "decoded in memory decodes it before its first epoch, outside the epoch's clock, where the pipeline "
+        "decodes while its first epoch trains: epoch 1's ratio is then a cold epoch against a warm one, and the "
+        "command's time to its last validation is the fair comparison.\n",
+    ]
+    for name, bench in benches.items():
+        sections.append(f"## bench/{name}.py\n\n{taken([bench])}.\n")
+        sections += [detail(row) + "\n" for row in bench["rows"]]
+    startup = benches["startup"]["figures"]
+    sections.append(
+        f"{startup_line(benches['startup'])} Pipeline {startup['pipeline_startup_s']} s, Ray's floor "
+        f"{startup['floor_startup_s']} s.\n"
+    )
+    return "\n".join(sections)
+
+
+def render(record: dict) -> None:
+    """docs/figures.md and the README's table from ``record``."""
+    PAGE.write_text(page(record))
+    text = README.read_text()
+    block = f"{MARKERS[0]}\n{readme_table(record)}\n{MARKERS[1]}"
+    pattern = re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1])
+    README.write_text(re.sub(pattern, lambda _: block, text, count=1, flags=re.S))
+
 
 if __name__ == "__main__":
-    for script in SCRIPTS:
-        print(f"\n== bench/{script}", flush=True)
-        subprocess.run([sys.executable, str(Path(__file__).with_name(script))], check=True)
+    parser = argparse.ArgumentParser(description="Every README figure, taken again.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_true", help="the README's figures")
+    mode.add_argument("--full", action="store_true", help="the README's figures, then every other benchmark")
+    mode.add_argument("--render", action="store_true", help="docs/figures.md and the README from docs/figures.json")
+    arguments = parser.parse_args()
+    if not arguments.render:
+        import torch
+
+        gpu = torch.cuda.is_available()
+        run(QUICK, gpu)
+        FIGURES.write_text(json.dumps(collect([s.removesuffix(".py") for s in QUICK] + ["gpu"] * gpu), indent=1))
+        if arguments.full:
+            run(REST, gpu=False)
+    render(json.loads(FIGURES.read_text()))
+    print(f"wrote {FIGURES}, {PAGE} and the README's table")
