@@ -3,7 +3,7 @@ each other: they share the cores), and written where the docs read them:
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py --quick
 
-- ``--quick`` (about 70 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
+- ``--quick`` (about 55 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
   (``train.py``), the ingest-bound sets (``ingest.py``), the start-up (``startup.py``), and on a machine with a
   GPU the GPU rows (``gpu.py``);
 - ``--full``: the same, then every other benchmark (their figures stay in outputs/bench/ and docs/performance.md);
@@ -54,7 +54,8 @@ def taken(reports: list[dict]) -> str:
     setups = set()
     for report in reports:
         machine, versions = report["machine"], report["versions"]
-        dirty = " with uncommitted changes" if report["uncommitted_changes"] else ""
+        changed = report["uncommitted_changes"]
+        dirty = f" with uncommitted changes to {', '.join(changed)}" if changed else ""
         setups.add(
             f"{machine['cpus']} cores, {machine['memory_gib']} GiB, {machine['gpu'] or 'no GPU'}; commit "
             f"{report['commit']}{dirty}; ray {versions['ray']}, torch {versions['torch']}"

@@ -42,13 +42,13 @@ def git(*args: str) -> str:
 
 def write(name: str, figures: dict, rows: list[dict] | None = None) -> Path:
     """Write ``outputs/bench/<name>.json`` (the figures, the comparisons ``rows`` that docs/figures.md shows, the
-    date, machine, versions and commit, and whether the tree had uncommitted changes) and return its path."""
+    date, machine, versions and commit, and the tracked files with uncommitted changes) and return its path."""
     report = {
         "figures": figures,
         "rows": rows or [],
         "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "uncommitted_changes": [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()],
         "versions": {p: version(p) for p in PACKAGES},
         "machine": machine(),
     }
