@@ -1,8 +1,10 @@
-"""The benchmarks' own parts: the plain loop's baselines train what the config says."""
+"""The benchmarks' own parts: the plain loop's baselines train what the config says, and the README's figures are
+what bench/all.py writes from docs/figures.json, not typed."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -32,3 +34,10 @@ def test_each_plain_baseline_learns_the_configured_task(data_root, data, transfo
     figures = plain.train(cfg, data, transforms)
     assert len(figures["samples_s"]) == 4 and min(figures["samples_s"]) > 0
     assert figures["val_accuracy"][-1] > 0.3, figures  # labels set the brightness; chance is 0.1
+
+
+def test_the_readme_figures_are_written_from_docs_figures_json():
+    written = bench_module("all")
+    record = json.loads(written.FIGURES.read_text())
+    assert written.readme_table(record) in written.README.read_text()
+    assert written.PAGE.read_text() == written.page(record)
