@@ -33,6 +33,10 @@ os.environ.update(
 )
 for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE"):
     os.environ.pop(variable, None)
+# A team's MLFLOW_TRACKING_URI or RAY_ADDRESS is not the tests' business: each test makes its own MLflow store and
+# Ray runtime, and those that test the variables set them themselves.
+for variable in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+    os.environ.pop(variable, None)
 
 import numpy as np
 import psutil
