@@ -82,8 +82,7 @@ class Rows(torch.utils.data.Dataset):
         if isinstance(self.images, torch.Tensor):
             column = self.images[rows].numpy()
         else:
-            column = np.empty(len(rows), dtype=object)
-            column[:] = [self.images[row] for row in rows]
+            column = object_column([self.images[row] for row in rows])
         return torch.from_numpy(np.ascontiguousarray(self.batch_fn({"image": column}, epoch=epoch)["image"])), labels
 
 

@@ -160,15 +160,15 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
     def history(key: str) -> list[float]:
         return metric_history(client, run, key)
 
-    validations = client.get_metric_history(run.info.run_id, "val_accuracy")
+    validations = sorted(client.get_metric_history(run.info.run_id, "val_accuracy"), key=lambda m: m.step)
     return {
         "samples_s": [round(v) for v in history("train_throughput")],
         "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
-        "val_accuracy": [round(v, 4) for v in history("val_accuracy")],
+        "val_accuracy": [round(m.value, 4) for m in validations],
         "label_mix": [round(v, 3) for v in history("label_mix")],
         "startup_s": round(history("startup_s")[0], 1),
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
-        "to_validation_s": round(max(m.timestamp for m in validations) / 1000 - launched, 1),
+        "to_validation_s": round(validations[-1].timestamp / 1000 - launched, 1),
         "wall_s": wall,
     }
 
