@@ -56,6 +56,9 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
+        traced = []  # whether each block's forward ran while torch.compile traced it
+        for block in parallel.blocks(replica.module, cfg.train.blocks):
+            block.register_forward_pre_hook(lambda *_: traced.append(torch.compiler.is_compiling()))
         restored = None
         if restore is not None:
             replica.restore(ray.train.Checkpoint.from_directory(restore), CPU)
@@ -83,6 +86,7 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
                     "digest": digest,
                     "files": written,
                     "steps": steps,
+                    "compiled": any(traced),
                 },
                 os.path.join(out, "result.pt"),
             )
@@ -233,10 +237,12 @@ def test_a_sharded_checkpoint_is_refused_where_a_user_names_weights(tmp_path):
 @pytest.mark.parametrize("model", [VIT, MLP], ids=["vit", "mlp"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_compiled_model_trains_and_its_checkpoint_has_the_plain_keys(tmp_path, model, strategy):
+    """The blocks run under torch.compile (their forwards were traced); the state dict keeps the plain keys."""
     cfg = compose_cfg(
         [*model, "train.compile=true", f"scaling.strategy={strategy}", "train.activation_checkpointing=true"]
     )
     two = spawn(cfg, 2, tmp_path / "two")
+    assert two["compiled"]
     plain = instantiate(cfg.model).state_dict().keys()
     assert two["whole"].keys() == plain  # no _orig_mod. prefix
     saved = merged(tmp_path / "two")
@@ -257,18 +263,34 @@ def test_blocks_are_the_outermost_modules_of_the_named_classes():
     assert [type(b).__name__ for b in parallel.blocks(vit, [dotted])] == ["MLPBlock"] * 2
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
-    """Recomputing the blocks' activations in backward changes memory, not the numbers."""
-    grads = []
+def test_activation_checkpointing_recomputes_each_block_in_backward_and_keeps_the_gradients():
+    """Recomputing the blocks' activations in backward: each layer inside a block runs its forward again there,
+    autograd saves fewer tensors, and the gradients are the same numbers."""
+    figures = []
     for recompute in (False, True):
         torch.manual_seed(0)
         model = torchvision.models.VisionTransformer(32, 4, 2, 2, 32, 64, num_classes=10)
+        units = parallel.blocks(model, None)
         if recompute:
-            for block in parallel.blocks(model, None):
+            for block in units:
                 parallel.recompute_in_backward(block)
-        model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))).sum().backward()
-        grads.append({name: p.grad for name, p in model.named_parameters()})
-    assert all(torch.allclose(grads[0][k], grads[1][k], atol=1e-6) for k in grads[0])
+        inner = [m for b in units[:-1] for m in b.modules() if type(m) is torch.nn.Linear]  # the MLPs; not the head
+        calls = []
+        for module in inner:
+            module.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        saved = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t)
+        with hooks, torch.utils.checkpoint.set_checkpoint_early_stop(False):  # whole blocks recomputed, not part
+            loss = model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))).sum()
+        forward_calls = len(calls)
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        figures.append({"forward": forward_calls, "all": len(calls), "saved": len(saved), "grads": grads})
+    plain, recomputed = figures
+    assert plain["forward"] == recomputed["forward"] == len(inner) > 0
+    assert plain["all"] == len(inner) and recomputed["all"] == 2 * len(inner)  # every block's layers once more
+    assert recomputed["saved"] < plain["saved"] / 2, (recomputed["saved"], plain["saved"])
+    assert all(torch.allclose(plain["grads"][k], recomputed["grads"][k], atol=1e-6) for k in plain["grads"])
 
 
 @pytest.mark.parametrize(
@@ -372,20 +394,27 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
     1's sharded checkpoint (DCP reshards it) and finishes, each epoch in MLflow once."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
 
+    killed = []
+
     def kill_a_worker() -> None:
         wait_for_epochs(tmp_path / "run", 1)
         workers = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
-        psutil.Process(next(w["pid"] for w in workers if w["rank"] == 1)).kill()
+        worker = psutil.Process(next(w["pid"] for w in workers if w["rank"] == 1))
+        worker.kill()
+        worker.wait(timeout=10)  # gone: not the process of another run
+        killed.append(worker.pid)
 
     run = [*TINY, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
-    with pytest.raises(PipelineError):
+    with pytest.raises(PipelineError, match="training failed"):
         in_process(tmp_path, "run", run)
     killer.join(timeout=5)
+    assert len(killed) == 1, killed
+    saved = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())  # epochs checkpointed before the kill
     metrics, _ = in_process(tmp_path, "resumed", [*run, "train.resume=true", "scaling.num_workers=1"])
     client, run_info = the_run(tmp_path, name="sharded")
     assert run_info.info.status == "FINISHED" and metrics["workers"] == 1
     assert_each_epoch_once(client, run_info.info.run_id, 3)
     restores = client.get_metric_history(run_info.info.run_id, "restores")
-    assert [r.step for r in restores] in ([1], [2])
+    assert [r.step for r in restores] == [saved], (restores, saved)  # continued after the last epoch saved

@@ -9,6 +9,7 @@ import pytest
 import ray
 from conftest import compose_cfg, in_block_order, jpeg, row_groups, write_split
 
+import transforms
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps, stream
 from pipeline.jobs import build
@@ -132,10 +133,11 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     before anything starts."""
     import pyarrow as pa
 
+    photos = {}
     for name, rows in (("train", 12), ("test", 4)):
         directory = tmp_path / "cifar10" / name
         directory.mkdir(parents=True)
-        images = [photo(300 + 17 * i, 260 + 23 * i, i) for i in range(rows)]
+        images = photos[name] = [photo(300 + 17 * i, 260 + 23 * i, i) for i in range(rows)]
         pq.write_table(
             pa.table({"image": images, "label": [i % 10 for i in range(rows)]}), directory / "part-0.parquet"
         )
@@ -146,7 +148,10 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     with preprocess.training_data(cfg, splits) as data:
         assert set(data.streams) == {"train", "valid"} and not data.caches
         rows = data.datasets["train"].take_all()
-    assert len(rows) == 12 and {np.asarray(row["image"]).shape for row in rows} == {(3, 224, 224)}
+    # the crop of each encoded photo itself, as the config draws it (a crop cut from the 256 working size differs)
+    crop = {k: v for k, v in splits["train"].steps["crop"].fn.items() if k != "_target_"}
+    expected = transforms.random_resized_crop({"image": np.array(photos["train"], dtype=object)}, **crop)["image"]
+    assert sorted(np.asarray(row["image"]).tobytes() for row in rows) == sorted(e.tobytes() for e in expected)
 
     with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):
         build.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))
