@@ -32,7 +32,7 @@ def describe_job(hydra_cfg: DictConfig):
     overrides = list(hydra_cfg.overrides.task)
     experiment = experiment_choice(hydra_cfg.runtime.choices)
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        return Job(hydra_cfg.runtime.output_dir, experiment, overrides, started_at=pipeline.STARTED_AT)
+        return Job(hydra_cfg.runtime.output_dir, experiment, overrides=overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)
     job.run_dir = hydra_cfg.runtime.output_dir  # hydra.sweep.subdir may name it otherwise
     job.started_at = time.time() if hydra_cfg.job.num > 0 else pipeline.STARTED_AT

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
-from pipeline.config import CONF_DIR, PipelineConfig, check_overrides, load, register
+from pipeline.config import CONF_DIR, PipelineConfig, Stage, check_overrides, load, register
 
 
 def composed(overrides: Sequence[str] = ()) -> DictConfig:
@@ -43,7 +43,7 @@ def train(experiment: str | None = None, overrides: Sequence[str] = (), run_dir:
     chosen = [f"+experiment={experiment}"] if experiment else []
     cfg = composed([*chosen, *overrides])
     run_dir = run_dir or os.path.join(cfg.paths.outputs, "runs", time.strftime("%Y-%m-%d/%H-%M-%S"))
-    return run_job(cfg, Job(run_dir, experiment or "default", [*chosen, *overrides], started_at=time.time()))
+    return run_job(cfg, Job(run_dir, experiment or "default", overrides=[*chosen, *overrides], started_at=time.time()))
 
 
 def typed(raw: DictConfig) -> PipelineConfig:
@@ -64,5 +64,5 @@ def run_job(raw: DictConfig, job):
 
     config = typed(raw)  # each stage gets the typed config: cfg.train.epochs
     cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
-    stage = predict.run if config.stage in ("predict", "evaluate") else training_job.run
+    stage = predict.run if config.stage in (Stage.predict, Stage.evaluate) else training_job.run
     return stage(config, job)

@@ -3,6 +3,7 @@ pyproject.toml, drawn in docs/architecture.md), and the layers as the package's 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import tomllib
@@ -29,3 +30,34 @@ def test_the_top_of_the_package_is_its_layers_and_the_entry_modules():
     assert {f"pipeline.{name}" for name in packages} <= layers, packages
     assert top - packages == {"__init__.py", "__main__.py", "api.py", "sync.py", "reshuffle.py", "plugins"}, top
     assert len(top) <= 13
+
+
+def signatures() -> list[tuple[str, int, int]]:
+    """Every function of ``pipeline/`` and ``transforms/`` (name, positional parameters besides self/cls)
+    and every dataclass (name, fields a caller may give by position)."""
+    found = []
+    for path in [*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "transforms").rglob("*.py")]:
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                found.append((f"{where}:{node.name}", len(names), 6))
+            elif isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                if any("kw_only=True" in ast.unparse(d) for d in node.decorator_list):
+                    continue
+                fields = []
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign):
+                        if ast.unparse(item.annotation) == "KW_ONLY":
+                            break
+                        fields.append(item)
+                found.append((f"{where}:{node.name}", len(fields), 4))
+    return found
+
+
+def test_no_function_takes_more_than_six_positional_parameters_nor_a_dataclass_four_positional_fields():
+    """Past a few, arguments are named at the call: keyword-only parameters, ``kw_only`` dataclasses."""
+    found = signatures()
+    assert len(found) > 300  # the walk saw the package
+    wide = [(name, count) for name, count, most in found if count > most]
+    assert not wide, wide

@@ -228,7 +228,13 @@ def shuffled_rows(cfg: dict, split: source.Split, epoch: int) -> list[tuple[byte
     with in_block_order(epoch) as coordinator:
         groups = row_groups(split)
         ds, _ = preprocess.streamed_dataset(
-            split, "train", groups, ["image", "label"], coordinator, cfg.train.seed, 2**30
+            split,
+            "train",
+            groups,
+            ["image", "label"],
+            coordinator=coordinator,
+            shuffle_seed=cfg.train.seed,
+            budget=2**30,
         )
         return [(row["image"], row["label"]) for row in ds.take_all()]
 
@@ -249,7 +255,12 @@ def test_the_shuffle_is_new_each_epoch_and_the_same_for_the_same_epoch(tmp_path,
 def checked_split(path: Path, num_classes: int | None = None) -> source.Split:
     """``path`` checked as ``source.train`` of image + label rows."""
     return source.check_split(
-        "source.train", str(path), pafs.LocalFileSystem(), str(path), ["image", "label"], num_classes
+        "source.train",
+        str(path),
+        pafs.LocalFileSystem(),
+        str(path),
+        columns=["image", "label"],
+        num_classes=num_classes,
     )
 
 

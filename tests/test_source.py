@@ -35,19 +35,19 @@ def test_prepare_counts_rows_and_applies_the_limit(data_root):
 
 def test_missing_path_says_how_to_point_at_data(tmp_path):
     with pytest.raises(PipelineError, match=r"source.train: no parquet files at .*nowhere.*PIPELINE_DATA_DIR"):
-        check_split("source.train", str(tmp_path / "nowhere"), LOCAL, str(tmp_path / "nowhere"), COLUMNS)
+        check_split("source.train", str(tmp_path / "nowhere"), LOCAL, str(tmp_path / "nowhere"), columns=COLUMNS)
 
 
 def test_missing_column_names_file_and_column(tmp_path):
     write_split(tmp_path / "train", 8, 1, seed=0, columns=("image",))
     with pytest.raises(PipelineError, match=r"part-00000.parquet has no column 'label' \(it has image\)"):
-        check_split("source.train", str(tmp_path / "train"), LOCAL, str(tmp_path / "train"), COLUMNS)
+        check_split("source.train", str(tmp_path / "train"), LOCAL, str(tmp_path / "train"), columns=COLUMNS)
 
 
 def test_corrupt_parquet_names_the_file(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(PipelineError, match=r"bad.parquet is not a readable parquet file"):
-        check_split("source.valid", str(tmp_path), LOCAL, str(tmp_path), COLUMNS)
+        check_split("source.valid", str(tmp_path), LOCAL, str(tmp_path), columns=COLUMNS)
 
 
 def test_truncated_parquet_names_the_file(tmp_path):
@@ -55,7 +55,7 @@ def test_truncated_parquet_names_the_file(tmp_path):
     path = tmp_path / "valid" / "part-00000.parquet"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(PipelineError, match=r"source.valid: .*valid/part-00000.parquet is not a readable parquet file"):
-        check_split("source.valid", str(tmp_path / "valid"), LOCAL, str(tmp_path / "valid"), COLUMNS)
+        check_split("source.valid", str(tmp_path / "valid"), LOCAL, str(tmp_path / "valid"), columns=COLUMNS)
 
 
 def test_offline_download_fails_with_a_clear_message(tmp_path):

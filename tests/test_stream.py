@@ -42,7 +42,13 @@ def streamed_epochs(cfg, split: source.Split, epochs: list[int], budget: int) ->
     number of windows each epoch is cut into."""
     with in_block_order() as coordinator:
         ds, streamed = preprocess.streamed_dataset(
-            split, "train", row_groups(split), ["image", "label"], coordinator, 7, budget
+            split,
+            "train",
+            row_groups(split),
+            ["image", "label"],
+            coordinator=coordinator,
+            shuffle_seed=7,
+            budget=budget,
         )
         out = []
         for epoch in epochs:
@@ -77,7 +83,15 @@ def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_its_tasks_are_don
         return ray.get(coordinator.holding.remote("train"))
 
     try:
-        plan = stream.Plan(row_groups(split), split.filesystem, ["image", "label"], 0, 4, 12, {})
+        plan = stream.Plan(
+            groups=row_groups(split),
+            filesystem=split.filesystem,
+            columns=["image", "label"],
+            seed=0,
+            windows=4,
+            tasks=12,
+            where={},
+        )
         ray.get(coordinator.prefetch.remote("train", plan))
         assert held() == [0]  # the first window, read at once
         ray.get(coordinator.window.remote("train", plan, 0, 0))

@@ -12,7 +12,7 @@ import torch.multiprocessing
 from conftest import free_port
 
 from pipeline.common.metrics import epoch_metrics
-from pipeline.config import PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
+from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.data.source import Layout
 from pipeline.training.checkpoint import autocast_settings
 from pipeline.training.early_stop import EarlyStopping
@@ -28,17 +28,17 @@ def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_cli
     layout = Layout(["x"], "x", "y", stacked=False)
     params = model.parameters()
     return Replica(
-        model,
-        optimizer(params, lr=lr),
-        None,
-        scaler,
-        autocast,
-        Task(task),
-        None,
-        lambda x: x,
-        layout,
-        grad_clip,
-        on_nonfinite,
+        model=model,
+        optimizer=optimizer(params, lr=lr),
+        scheduler=None,
+        scaler=scaler,
+        autocast=autocast,
+        task=Task(task),
+        statistics=None,
+        scale=lambda x: x,
+        layout=layout,
+        grad_clip=grad_clip,
+        on_nonfinite=OnNonfinite[on_nonfinite],
     )
 
 
@@ -215,7 +215,7 @@ def test_every_rank_validates_with_rank_0s_batchnorm_statistics(tmp_path):
     ],
 )
 def test_early_stopping_stops_when_patience_runs_out_on_a_scripted_curve(lower_is_better, curve, stop_after):
-    stopper = EarlyStopping("val_metric", patience=2, min_delta=0.01, lower_is_better=lower_is_better)
+    stopper = EarlyStopping(metric="val_metric", patience=2, min_delta=0.01, lower_is_better=lower_is_better)
     reasons = [stopper.update(value, epoch) for epoch, value in enumerate(curve)]
     stops = [epoch for epoch, reason in enumerate(reasons) if reason]
     assert (stops[0] if stops else None) == stop_after

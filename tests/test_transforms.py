@@ -322,7 +322,9 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
         """The rows each pass flipped (by their stored position: no shuffle, read in block order)."""
         flipped = []
         with in_block_order() as coordinator:
-            ds, _ = preprocess.streamed_dataset(split, "train", row_groups(split), ["image"], coordinator, None, 2**30)
+            ds, _ = preprocess.streamed_dataset(
+                split, "train", row_groups(split), ["image"], coordinator=coordinator, shuffle_seed=None, budget=2**30
+            )
             for epoch in epochs:
                 ray.get(coordinator.set_epoch.remote(epoch))
                 out = [row["image"] for row in ds.take_all()]

@@ -33,6 +33,7 @@ def _row_in_file(path: str, column: str, value: bytes) -> str:
 
 def decode_image(
     batch: Batch,
+    *,
     column: str = "image",
     size: int | None = None,
     fit: Literal["center_crop", "stretch"] = "center_crop",
@@ -56,10 +57,9 @@ def decode_image(
     """
     if fit not in ("center_crop", "stretch"):
         raise ValueError(f"decode_image: fit must be 'center_crop' or 'stretch', got {fit!r}")
+    rows = {"column": column, "channels": channels, "on_error": on_error, "path_column": path_column}
     if size is None and resize is None:
-        return _each_row(
-            "decode_image", batch, column, channels, on_error, path_column, lambda _, data: _decode(data, channels)
-        )
+        return _each_row("decode_image", batch, **rows, image_of=lambda _, data: _decode(data, channels))
     if size is None:
 
         def working_size(_: int, data: bytes) -> np.ndarray:
@@ -69,7 +69,7 @@ def decode_image(
             image = _decode(data, channels, _dct_shrink(height, width, *out))
             return _resized(image, (0, 0, height, width), out, (height, width))
 
-        return _each_row("decode_image", batch, column, channels, on_error, path_column, working_size, ragged=True)
+        return _each_row("decode_image", batch, **rows, image_of=working_size, ragged=True)
 
     def fitted(_: int, data: bytes) -> np.ndarray:
         height, width = _dimensions(data)
@@ -82,11 +82,12 @@ def decode_image(
         shrink = _dct_shrink(height, width, height * shorter / min(height, width), width * shorter / min(height, width))
         return _resized(_decode(data, channels, shrink), (top, left, side, side), size, (height, width))
 
-    return _each_row("decode_image", batch, column, channels, on_error, path_column, fitted, size)
+    return _each_row("decode_image", batch, **rows, image_of=fitted, size=size)
 
 
 def random_resized_crop(
     batch: Batch,
+    *,
     column: str = "image",
     size: int = 224,
     scale: tuple[float, float] = (0.08, 1.0),
@@ -120,7 +121,8 @@ def random_resized_crop(
         window = _resized(image, (top, left, h, w), size, (height, width))
         return window[..., ::-1] if draws[i, -1] < flip else window
 
-    return _each_row("random_resized_crop", batch, column, channels, on_error, path_column, cropped, size)
+    rows = {"column": column, "channels": channels, "on_error": on_error, "path_column": path_column}
+    return _each_row("random_resized_crop", batch, **rows, image_of=cropped, size=size)
 
 
 CROP_TRIES = 10  # torchvision's RandomResizedCrop tries ten windows before it falls back to the centre
@@ -148,6 +150,7 @@ def _crop_box(
 def _each_row(
     step: str,
     batch: Batch,
+    *,
     column: str,
     channels: int,
     on_error: str,

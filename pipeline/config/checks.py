@@ -28,11 +28,14 @@ from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import TASK_CHOICES, epoch_metrics, task_metric
 from pipeline.config.schema import (
     CONF_DIR,
+    AmpDtype,
     FinetuneConfig,
     IngestConfig,
+    OnMissing,
     PipelineConfig,
     ScalingConfig,
     SourceConfig,
+    Strategy,
     TaskConfig,
     TrackingConfig,
     TrainConfig,
@@ -240,7 +243,7 @@ def check_source(source: SourceConfig, ingest: IngestConfig) -> None:
     """Rows per split, and what filling in missing values needs."""
     _require(source.limit is None or source.limit >= 1, f"source.limit must be >= 1 or null, got {source.limit}.")
     _require(
-        source.on_missing != "mean" or ingest.standardize,
+        source.on_missing != OnMissing.mean or ingest.standardize,
         "source.on_missing=mean fills in the training mean that ingest.standardize computes: set "
         "ingest.standardize=true, or use source.on_missing=drop.",
     )
@@ -304,7 +307,7 @@ def check_ingest(ingest: IngestConfig) -> None:
 def check_levers(train: TrainConfig, scaling: ScalingConfig) -> None:
     """The GPU levers' combinations (which blocks exist is checked against the model: training/parallel.py)."""
     _require(
-        not (scaling.strategy == "fsdp" and train.amp and train.amp_dtype == "float16"),
+        not (scaling.strategy == Strategy.fsdp and train.amp and train.amp_dtype == AmpDtype.float16),
         "scaling.strategy=fsdp casts to train.amp_dtype through FSDP's mixed-precision policy, which here takes "
         "bfloat16 only: float16 would need a sharded GradScaler. Set train.amp_dtype=bfloat16.",
     )

@@ -39,7 +39,7 @@ CompileMode = Choice(  # torch.compile's modes
 CheckpointUpload = Choice("CheckpointUpload", {name: name for name in ("async", "sync")})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class S3Config:
     """How to reach S3 or an S3-compatible store. There are no credential fields on purpose: the AWS
     SDK reads them from the environment, AWS_PROFILE or an instance role (pipeline/runtime/filesystems.py)."""
@@ -52,7 +52,7 @@ class S3Config:
     max_attempts: int = 3
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SourceConfig:
     root: str = "${oc.env:PIPELINE_DATA_DIR,data}"  # data root; relative paths resolve against the cwd
     train: str = MISSING  # parquet directory, file or glob
@@ -76,7 +76,7 @@ class SourceConfig:
     s3: S3Config = field(default_factory=S3Config)  # used when a split is an s3:// URI
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TransformSpec:
     fn: Any = MISSING  # _target_ node: a function (run as Ray tasks) or a class (run as an actor pool)
     num_cpus: float = 1.0  # CPUs per preprocessing task/actor, separate from the training workers
@@ -114,7 +114,7 @@ class EarlyStopConfig:
     min_delta: float = 0.0  # smaller improvements do not count
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     epochs: int = 1
     seed: int = 0
@@ -161,7 +161,7 @@ class FinetuneConfig:
     backbone_lr_scale: float = 1.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScalingConfig:
     # a count, or [MIN, MAX]: elastic (Ray Train starts with what the cluster has, MIN at least, and resizes
     # from the latest checkpoint as nodes come and go; docs/cluster.md)
@@ -200,7 +200,7 @@ class NormalizeConfig:
     std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IngestConfig:
     batch_size: int = 128  # global: each of N workers gets batch_size / N rows per step
     prefetch_batches: int = 2
@@ -235,7 +235,7 @@ class TaskConfig:
     metrics: list[str] = field(default_factory=lambda: ["accuracy"])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrackingConfig:
     uri: Optional[str] = "${oc.env:MLFLOW_TRACKING_URI,null}"  # null: sqlite in paths.outputs
     experiment_name: Optional[str] = None  # null: the +experiment=NAME chosen, else "default"
@@ -255,7 +255,7 @@ class TrackingConfig:
     server_wait_s: float = 300.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RayConfig:
     address: Optional[str] = "${oc.env:RAY_ADDRESS,null}"  # null: a local runtime; auto, HOST:PORT, ray://...
     # logical CPUs of a local runtime; null: the machine's cores plus the training workers' CPUs, so
@@ -266,7 +266,7 @@ class RayConfig:
     runtime_env: dict[str, Any] = field(default_factory=dict)  # Ray's runtime_env for the job (pip, env_vars...)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PredictConfig:
     # whose model predicts: a run's name or id, or models:/NAME@ALIAS (runs:/ID/model); null: the newest finished run
     run: Optional[str] = None
@@ -296,7 +296,7 @@ class StorageConfig:
     s3: S3Config = field(default_factory=S3Config)  # used when path is an s3:// URI
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PipelineConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     transforms: TransformsConfig = field(default_factory=TransformsConfig)

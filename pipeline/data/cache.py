@@ -42,7 +42,7 @@ def build_pieces(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str
     return (*out, [(len(piece["path"]), batch_bytes(piece)) for piece in out])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Cache:
     """A split's cached pieces (owned by this process) and each row group's piece indices; built in the
     order epoch 0 reads the row groups (``seed``: the shuffle's)."""
@@ -88,6 +88,7 @@ def build(
     groups: list[RowGroup],
     filesystem: pafs.FileSystem,
     columns: list[str],
+    *,
     prepare,
     row_bytes: float,
     seed: int | None,
@@ -105,4 +106,4 @@ def build(
         )
         by_group[g] = list(range(len(pieces), len(pieces) + count))
         pieces += refs
-    return Cache(pieces, by_group, sizes, seed, time.perf_counter())
+    return Cache(pieces=pieces, by_group=by_group, sizes=sizes, seed=seed, started=time.perf_counter())

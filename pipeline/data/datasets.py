@@ -98,6 +98,7 @@ SKIMAGE_PHOTOS = (
 
 def write_photos(
     root: str,
+    *,
     rows: int = 6400,
     files: int = 16,
     gray_fraction: float = 0.05,

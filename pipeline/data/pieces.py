@@ -31,7 +31,7 @@ from pipeline.common import workarounds
 Batch = dict[str, np.ndarray]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RowGroup:
     """A parquet file's row group, the first ``rows`` of it (``source.limit``)."""
 
@@ -55,7 +55,7 @@ def row_groups(files: list[str], filesystem: pafs.FileSystem, limit: int | None,
             if rows <= 0:
                 return groups
             size = round(group.total_byte_size * rows / max(group.num_rows, 1))
-            groups.append(RowGroup(file, index, rows, size, label_range(group, column)))
+            groups.append(RowGroup(file=file, index=index, rows=rows, bytes=size, labels=label_range(group, column)))
             left -= rows
     return groups
 
@@ -168,7 +168,7 @@ CHUNKS_PER_TASK = 8  # a task hands on its rows in about this many batches (fewe
 
 
 def dataset(
-    source: Source, windows: Windows, tasks: int, seed: int | None, then: Callable, coordinator, options: dict
+    source: Source, windows: Windows, tasks: int, *, seed: int | None, then: Callable, coordinator, options: dict
 ) -> ray.data.Dataset:
     """A lazy dataset of ``tasks`` tasks per epoch that gather each epoch's rows from ``source``'s pieces, a
     window at a time, mixed with ``seed``, and hand them on through ``then(batch, epoch)`` (the steps that

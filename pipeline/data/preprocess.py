@@ -30,7 +30,7 @@ from pipeline.runtime.cluster import placeable_nodes
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainingData:
     """What the training workers read: each split's lazy dataset, its row count (from the parquet
     footers, capped by ``source.limit``), the job's coordinator (the epoch its seeded steps follow, the
@@ -64,7 +64,7 @@ class TrainingData:
         return f"{total / 2**20:,.0f} MiB read on {len(by_node)} node(s): {shares}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Mixing:
     """How well the training split's windows mix it: ``share`` of the labels a full shuffle mixes that a window
     can hold, bounded from the row groups' label ranges in the parquet footers (1.0: as a full shuffle)."""
@@ -108,7 +108,7 @@ def start_coordinator() -> Any:
     return Coordinator.options(scheduling_strategy=here).remote()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CachePlan:
     """Whether each split's deterministic steps run once, their output kept in Ray's object store, or
     every epoch: the estimate it was decided on and, once built, what the cache holds."""
@@ -148,7 +148,12 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
     columns = [layout.model_input, layout.label]
     seed = cfg.train.seed if ingest.shuffle else None
     plan = plan or cache_plan(cfg, splits)
-    data = TrainingData({}, {name: split.rows for name, split in splits.items()}, start_coordinator(), plan=plan)
+    data = TrainingData(
+        datasets={},
+        rows={name: split.rows for name, split in splits.items()},
+        coordinator=start_coordinator(),
+        plan=plan,
+    )
     try:
         for name, split in splits.items():
             shuffle = seed if name == "train" else None
@@ -158,7 +163,13 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                 data.datasets[name], data.caches[name] = built
             else:
                 streaming = streamed_dataset(
-                    split, name, groups, columns, data.coordinator, shuffle, plan.capacity_bytes // 3
+                    split,
+                    name,
+                    groups,
+                    columns,
+                    coordinator=data.coordinator,
+                    shuffle_seed=shuffle,
+                    budget=plan.capacity_bytes // 3,
                 )
                 data.datasets[name], data.streams[name] = streaming
             if name == "train":
@@ -193,7 +204,9 @@ def mixing(
         return None
     sizes = [len(w) for w in pieces.window_groups(len(groups), seed, 0, windows)]
     rows = round(sum(group.rows for group in groups) / max(len(groups), 1))
-    return Mixing(windows, (min(sizes), max(sizes)), rows, share, seed is not None)
+    return Mixing(
+        windows=windows, groups=(min(sizes), max(sizes)), rows_per_group=rows, share=share, shuffled=seed is not None
+    )
 
 
 def dataset(
@@ -222,6 +235,7 @@ def streamed_dataset(
     name: str,
     groups: list[pieces.RowGroup],
     columns: list[str],
+    *,
     coordinator,
     shuffle_seed: int | None,
     budget: int,
@@ -234,7 +248,14 @@ def streamed_dataset(
     steps, where = streamed(split.steps), read_placement(split.steps)
     columns_read = [*split.layout.inputs, *columns[1:]]
     streaming = stream.open_stream(
-        coordinator, name, groups, split.filesystem, columns_read, shuffle_seed, budget, where
+        coordinator,
+        name,
+        groups,
+        filesystem=split.filesystem,
+        columns=columns_read,
+        seed=shuffle_seed,
+        budget=budget,
+        where=where,
     )
     return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator), streaming
 
@@ -258,7 +279,15 @@ def cached_dataset(
         **(placement(first) if first else {}),
     }
     columns_read = [*split.layout.inputs, *columns[1:]]
-    built = cache.build(groups, split.filesystem, columns_read, prepare, row_bytes, shuffle_seed, build_options)
+    built = cache.build(
+        groups,
+        split.filesystem,
+        columns_read,
+        prepare=prepare,
+        row_bytes=row_bytes,
+        seed=shuffle_seed,
+        options=build_options,
+    )
     return gathered(built, shuffle_seed, every_epoch, [], columns, coordinator), built
 
 
@@ -270,7 +299,9 @@ def gathered(
     ``columns``."""
     then = Steps(steps, first, keep=columns)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **read_placement(steps)}
-    return pieces.dataset(source, source.windows, source.tasks, seed, then, coordinator, options)
+    return pieces.dataset(
+        source, source.windows, source.tasks, seed=seed, then=then, coordinator=coordinator, options=options
+    )
 
 
 SAMPLE_ROWS = 32  # rows of each split's first file run through its cached steps to estimate the cache
@@ -285,7 +316,7 @@ def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePla
     ingest = cfg.ingest
     capacity = int(store_bytes(read_placement(splits["train"].steps)) * ingest.cache_share)
     if ingest.cache is False:
-        return CachePlan(False, 0, capacity)
+        return CachePlan(on=False, estimate_bytes=0, capacity_bytes=capacity)
     row_bytes = {}
     for name, split in splits.items():
         once, _ = cached_steps(split.steps)
@@ -304,7 +335,8 @@ def cache_plan(cfg: PipelineConfig, splits: dict[str, source.Split]) -> CachePla
             "(ray.object_store_memory=BYTES, or ray start --object-store-memory on a cluster)."
         )
     one_pass = ingest.cache == "auto" and cfg.train.epochs == 1
-    return CachePlan(estimate <= capacity and not one_pass, estimate, capacity, row_bytes, one_pass=one_pass)
+    on = estimate <= capacity and not one_pass
+    return CachePlan(on=on, estimate_bytes=estimate, capacity_bytes=capacity, row_bytes=row_bytes, one_pass=one_pass)
 
 
 def store_bytes(where: dict) -> int:

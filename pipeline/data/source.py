@@ -11,7 +11,7 @@ import glob
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.common.errors import PipelineError
-from pipeline.config import SourceConfig, check_target
+from pipeline.config import OnMissing, SourceConfig, check_target
 from pipeline.runtime.filesystems import is_s3, locate, s3_error
 
 SPLITS = ("train", "valid")
@@ -35,8 +35,11 @@ class Layout:
     inputs: list[str]
     model_input: str
     label: str
+    _: KW_ONLY
     stacked: bool
-    on_missing: str = "raise"  # a table's missing, NaN or infinite values: raise, drop the row, or the mean
+    on_missing: OnMissing = OnMissing[
+        "raise"
+    ]  # a table's missing, NaN or infinite values: raise, drop the row, or the mean
     classes: list[str] | None = None  # labels that are class names, made their index here
 
     @classmethod
@@ -48,7 +51,7 @@ class Layout:
         return cls([features], features, label, stacked=False, **settings)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Split:
     """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on,
     and, as a job reads it, what the model takes of its rows and the transform steps they go through
@@ -119,6 +122,7 @@ def check_split(
     uri: str,
     fs: pafs.FileSystem,
     path: str,
+    *,
     columns: list[str],
     num_classes: int | None = None,
     classes: list[str] | None = None,
@@ -154,7 +158,7 @@ def check_split(
         elif num_classes is not None:
             check_labels(key, file, footer, columns[-1], num_classes)
         digest.update(json.dumps([file, footer.metadata.to_dict()], sort_keys=True, default=str).encode())
-    return Split(uri, files, rows, fs, schema, digest.hexdigest()[:16])
+    return Split(uri=uri, files=files, rows=rows, filesystem=fs, schema=schema, digest=digest.hexdigest()[:16])
 
 
 def check_names(key: str, file: str, footer: pq.ParquetFile, label: str, classes: list[str]) -> None:
@@ -269,7 +273,14 @@ def prepare(source: SourceConfig) -> dict[str, Split]:
         download(root=source.root)
     columns, num_classes, classes = [*layout.inputs, layout.label], source.num_classes, source.classes
     checked = {
-        split: check_split(f"source.{split}", getattr(source, split), *places[split], columns, num_classes, classes)
+        split: check_split(
+            f"source.{split}",
+            getattr(source, split),
+            *places[split],
+            columns=columns,
+            num_classes=num_classes,
+            classes=classes,
+        )
         for split in SPLITS
     }
     limit = source.limit

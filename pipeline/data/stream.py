@@ -82,7 +82,7 @@ def start_readers(where: dict) -> list[ray.actor.ActorHandle]:
     ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """How a split streams: its row groups, what is read of them, its shuffle's seed (None: the stored order),
     how each epoch is cut (into ``windows`` windows, gathered by ``tasks`` tasks), and where it is read
@@ -131,6 +131,7 @@ def open_stream(
     coordinator: ray.actor.ActorHandle,
     split: str,
     groups: list[RowGroup],
+    *,
     filesystem: pafs.FileSystem,
     columns: list[str],
     seed: int | None,
@@ -143,6 +144,8 @@ def open_stream(
     total = sum(group.bytes for group in groups)
     windows = max(1, min(len(groups), math.ceil(total / max(budget, 1))))
     tasks = max(windows, math.ceil(sum(group.rows for group in groups) / ROWS_PER_TASK))
-    plan = Plan(groups, filesystem, columns, seed, windows, tasks, where)
+    plan = Plan(
+        groups=groups, filesystem=filesystem, columns=columns, seed=seed, windows=windows, tasks=tasks, where=where
+    )
     coordinator.prefetch.remote(split, plan)
     return Stream(coordinator, split, plan)

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import PipelineConfig, check_values
@@ -26,6 +26,7 @@ class Job:
 
     run_dir: str
     experiment: str
+    _: KW_ONLY
     overrides: list[str] = field(default_factory=list)
     sweep_dir: str | None = None  # set for the jobs of a Hydra multirun
     run_name: str | None = None
@@ -37,7 +38,9 @@ class Job:
         """Job ``number`` of a Hydra multirun, in ``<sweep_dir>/<number>``, its run named for its overrides."""
         sweep_dir = os.path.abspath(sweep_dir)
         name = run_name("job", number, experiment, overrides)
-        return cls(os.path.join(sweep_dir, str(number)), experiment, overrides, sweep_dir, name)
+        return cls(
+            os.path.join(sweep_dir, str(number)), experiment, overrides=overrides, sweep_dir=sweep_dir, run_name=name
+        )
 
 
 @dataclass

@@ -35,6 +35,7 @@ from pipeline.config import (
     PipelineConfig,
     PredictConfig,
     S3Config,
+    Stage,
     TaskConfig,
     TrainConfig,
     validate,
@@ -61,6 +62,7 @@ class Predictor:
 
     def __init__(
         self,
+        *,
         model_cfg: dict,
         task_cfg: TaskConfig,
         weights: list,
@@ -250,7 +252,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
     model_cfg, task_cfg = trained_cfg.model, trained_cfg.task
     weights, statistics = load_weights(client, model_run, predict.checkpoint, predict.run)
     classes = trained_cfg.source.classes  # the model's classes, by name where labels were names
-    key, split, label = prediction_split(cfg, evaluating=cfg.stage == "evaluate")
+    key, split, label = prediction_split(cfg, evaluating=cfg.stage == Stage.evaluate)
     output = predict.output or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src.s3)
     cluster.connect(cluster.runtime(cfg.ray, cfg.scaling))
@@ -295,11 +297,13 @@ def run(cfg: PipelineConfig, job) -> JobResult:
             raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
         seconds, table = time.perf_counter() - started, written(output, src.s3, label)
         metrics = score(table, label, task_cfg, seconds)
-        if cfg.stage == "evaluate":  # where it errs: per class, or its residuals
+        if cfg.stage == Stage.evaluate:  # where it errs: per class, or its residuals
             every = classes or list(range(trained_cfg.source.num_classes or 0))  # what the model can predict
             metrics |= scores.report(client, run_id, table, label, task_cfg, every)
         measured_on = (lineage.dataset_name(split), split.digest)
-        delivery.log_metrics(client, run_id, metrics, 0, model_id, dict.fromkeys(metrics, measured_on))
+        delivery.log_metrics(
+            client, run_id, metrics, 0, model_id=model_id, dataset_of=dict.fromkeys(metrics, measured_on)
+        )
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, redact(output))
     return JobResult(run_id, metrics)

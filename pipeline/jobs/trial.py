@@ -120,7 +120,13 @@ class TrialRecorder(tune.Callback):
         overrides = [*self.fixed, *trial_overrides(params)]
         parent = store.sweep_parent(self.sweep_dir)
         name = build.run_name("trial", len(store.runs_where("mlflow.parentRunId", parent)), self.experiment, overrides)
-        job = Job(trial_dir(self.sweep_dir, trial_id), self.experiment, overrides, self.sweep_dir, name)
+        job = Job(
+            trial_dir(self.sweep_dir, trial_id),
+            self.experiment,
+            overrides=overrides,
+            sweep_dir=self.sweep_dir,
+            run_name=name,
+        )
         tracker = Tracker.start(store, cfg, job, name, parent, {TRIAL_TAG: trial_id})
         tracker.log_data(self.splits[params.get(GROUP_KEY, "")], None)
         return tracker

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.common import workarounds
 from pipeline.common.errors import PipelineError
-from pipeline.config import PipelineConfig, RayConfig, ScalingConfig
+from pipeline.config import PipelineConfig, RayConfig, ScalingConfig, Stage
 from pipeline.runtime.filesystems import is_s3, local_store
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def module_dir(name: str) -> str:
     return next(iter(getattr(module, "__path__", [])), None) or str(module.__file__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Runtime:
     """The Ray runtime a job asks for, worked out once from ``ray`` and ``scaling``: where it runs, what a
     local runtime holds, and what the training workers take of it."""
@@ -253,7 +253,7 @@ def check_outlives_job(cfg: PipelineConfig) -> None:
         return
     workdir = Path.cwd().resolve()
     places = {"tracking.uri (MLFLOW_TRACKING_URI)": local_store(cfg.tracking.uri, cfg.paths.outputs)}
-    if cfg.stage == "train":
+    if cfg.stage == Stage.train:
         places["storage.path"] = cfg.storage.path or cfg.paths.outputs
     else:
         places["predict.output"] = cfg.predict.output or cfg.paths.outputs

@@ -48,6 +48,7 @@ def log_metrics(
     run_id: str,
     metrics: dict,
     step: int,
+    *,
     model_id: str | None = None,
     dataset_of: dict | None = None,
     timestamp: int | None = None,
@@ -115,7 +116,13 @@ class Delivery:
             model_id = self.models.start(record["model"]["epoch"], record["model"]["checkpoint"])
         datasets = {key: tuple(value) for key, value in record["datasets"].items()}
         log_metrics(
-            self.client, self.run_id, record["metrics"], record["step"], model_id, datasets, record["timestamp"]
+            self.client,
+            self.run_id,
+            record["metrics"],
+            record["step"],
+            model_id=model_id,
+            dataset_of=datasets,
+            timestamp=record["timestamp"],
         )
 
     def deliver_tags(self, record: dict) -> None:

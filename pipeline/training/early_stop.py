@@ -12,7 +12,7 @@ from pipeline.common.metrics import lower_is_better
 from pipeline.config import PipelineConfig
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EarlyStopping:
     """``train.early_stop``: stop once ``metric`` has gone ``patience`` epochs without improving on its
     best by more than ``min_delta``. Its record (best value and epoch) is kept in each checkpoint."""
@@ -30,7 +30,8 @@ class EarlyStopping:
         if stop.patience is None:
             return None
         metric = stop.metric or cfg.optimized_metric
-        return cls(metric, stop.patience, stop.min_delta, lower_is_better(task.type, task.metrics, metric))
+        lower = lower_is_better(task.type, task.metrics, metric)
+        return cls(metric=metric, patience=stop.patience, min_delta=stop.min_delta, lower_is_better=lower)
 
     def update(self, value: float, epoch: int) -> str | None:
         """Take an epoch's value; why training stops, once patience has run out."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerStarted:
     """Where a rank runs: its process, node, placement group (a Tune sweep's driver releases the group,
     workarounds.py) and copy of the code. A line of the run's ``workers.jsonl``."""
@@ -21,7 +21,7 @@ class WorkerStarted:
     code: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepTaken:
     """Rank 0's step and batch loss, once a second and every ``tracking.log_every_n_steps`` steps (``log``)."""
 

@@ -10,12 +10,12 @@ import torch
 from hydra.utils import instantiate
 
 from pipeline.common.metrics import Metric, lower_is_better, task_metric
-from pipeline.config import TaskConfig
+from pipeline.config import TaskConfig, TaskType
 
 
 class Task:
     def __init__(self, task: TaskConfig):
-        self.regression = task.type == "regression"
+        self.regression = task.type == TaskType.regression
         self.metrics: dict[str, Metric] = {name: task_metric(task.type, name) for name in task.metrics}
         self.loss_fn = instantiate(task.loss, _convert_="all")
 
@@ -44,7 +44,7 @@ class Task:
         return {"prediction": prediction.cpu().numpy(), "confidence": confidence.cpu().numpy()}
 
 
-def prediction_metrics(kind: str, names: list[str], predicted: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def prediction_metrics(kind: TaskType, names: list[str], predicted: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """The metrics ``names`` of a ``kind`` task (``task.type``, ``task.metrics``) over written predictions:
     accuracy from the predicted classes, the errors from the predicted numbers (top-k needs scores a
     prediction file does not keep)."""
@@ -52,17 +52,17 @@ def prediction_metrics(kind: str, names: list[str], predicted: np.ndarray, label
     for name in names:
         if name == "accuracy":  # classes as numbers or names
             found[name] = float(np.mean(np.asarray(predicted) == np.asarray(labels)))
-        elif kind == "regression":
+        elif kind == TaskType.regression:
             metric = task_metric(kind, name)
             outputs, targets = torch.from_numpy(np.array(predicted)).float(), torch.from_numpy(np.array(labels)).float()
             found[name] = metric.value(float(metric.batch_sum(outputs, targets)), len(targets))
     return found
 
 
-def constant_baseline(kind: str, names: list[str], labels: np.ndarray) -> dict[str, float]:
+def constant_baseline(kind: TaskType, names: list[str], labels: np.ndarray) -> dict[str, float]:
     """What a model that learned nothing at best scores on validation ``labels``, by metric
     (``val_<name>``): always their most common class (classification), or always their mean (regression)."""
-    if kind == "regression":
+    if kind == TaskType.regression:
         constant = np.full(len(labels), float(np.mean(labels)))
     else:
         classes, counts = np.unique(labels, return_counts=True)
@@ -70,12 +70,12 @@ def constant_baseline(kind: str, names: list[str], labels: np.ndarray) -> dict[s
     return {f"val_{name}": value for name, value in prediction_metrics(kind, names, constant, labels).items()}
 
 
-def no_learning(kind: str, names: list[str], last: dict, baseline: dict[str, float]) -> str | None:
+def no_learning(kind: TaskType, names: list[str], last: dict, baseline: dict[str, float]) -> str | None:
     """Why the last epoch's validation is no better than ``baseline`` (:func:`constant_baseline`), or None."""
     for metric, constant in baseline.items():
         value, lower = last[metric], lower_is_better(kind, names, metric)
         if (value >= constant) if lower else (value <= constant):
-            predictor = "mean" if kind == "regression" else "most common class"
+            predictor = "mean" if kind == TaskType.regression else "most common class"
             return (
                 f"{metric} {value:.4g} is no better than always predicting the validation split's {predictor} "
                 f"({constant:.4g} on validation): the model learned nothing usable. Check the labels, optim.lr "

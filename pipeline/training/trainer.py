@@ -68,13 +68,13 @@ def build_trainer(
         train_loop_per_worker,
         train_loop_config={
             "job": WorkerJob(
-                cfg,
-                events,
-                data.coordinator,
-                data.statistics,
-                data.rows["train"],
-                ray.put(initial) if initial is not None else None,
-                saved_checkpoint(storage),
+                cfg=cfg,
+                events=events,
+                coordinator=data.coordinator,
+                statistics=data.statistics,
+                train_rows=data.rows["train"],
+                initial=ray.put(initial) if initial is not None else None,
+                saved=saved_checkpoint(storage),
             )
         },
         scaling_config=scaling_config,

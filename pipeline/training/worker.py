@@ -30,7 +30,7 @@ from ray.train import CheckpointUploadMode
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import LOSSES
-from pipeline.config import PipelineConfig, Strategy
+from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, Strategy, TaskType
 from pipeline.data.source import Layout
 from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.checkpoint import autocast_settings, feature_scaler
@@ -43,7 +43,7 @@ from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerJob:
     """What the driver hands every worker (:func:`pipeline.training.trainer.build_trainer`), as Ray Train's
     ``train_loop_config={"job": WorkerJob(...)}``."""
@@ -124,7 +124,7 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
     return cfg.train.epochs * -(-steps // cfg.train.accumulate)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Replica:
     """One worker's model (a DDP replica or an FSDP shard, :func:`pipeline.training.parallel.parallelize`) and
     everything that steps with it."""
@@ -139,7 +139,7 @@ class Replica:
     scale: Callable[[torch.Tensor], torch.Tensor]  # features as the transforms wrote them -> the model's floats
     layout: Layout  # which column of a batch is the model's input, which its label
     grad_clip: float | None  # train.grad_clip
-    on_nonfinite: str  # train.on_nonfinite: raise or skip
+    on_nonfinite: OnNonfinite  # train.on_nonfinite: raise or skip
     example: torch.Tensor | None = None  # two training rows' features, unscaled: the logged models' input example
 
     @classmethod
@@ -176,9 +176,19 @@ class Replica:
         autocast, scaler = autocast_settings(device, cfg.train)
         if cfg.scaling.strategy == Strategy.fsdp:  # FSDP's mixed-precision policy casts instead
             autocast = torch.autocast(device.type, enabled=False)
-        layout, recipe = Layout.of(cfg.source), (cfg.train.grad_clip, cfg.train.on_nonfinite)
-        task, scale = Task(cfg.task), feature_scaler(cfg.ingest.normalize, statistics, device)
-        return cls(model, optimizer, scheduler, scaler, autocast, task, statistics, scale, layout, *recipe)
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            autocast=autocast,
+            task=Task(cfg.task),
+            statistics=statistics,
+            scale=feature_scaler(cfg.ingest.normalize, statistics, device),
+            layout=Layout.of(cfg.source),
+            grad_clip=cfg.train.grad_clip,
+            on_nonfinite=cfg.train.on_nonfinite,
+        )
 
     @property
     def module(self) -> torch.nn.Module:
@@ -198,7 +208,9 @@ class Replica:
         is not stepped on (False): that decision costs a device sync per step, so only skip mode makes it;
         raise mode checks the losses once an epoch (:func:`train_epoch`)."""
         self.scaler.unscale_(self.optimizer)  # the true gradients (a no-op without float16's GradScaler)
-        skipping = self.on_nonfinite == "skip" and not self.scaler.is_enabled()  # the GradScaler skips overflows
+        skipping = (
+            self.on_nonfinite == OnNonfinite.skip and not self.scaler.is_enabled()
+        )  # the GradScaler skips overflows
         norm = None
         if self.grad_clip is not None or skipping:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
@@ -272,7 +284,7 @@ def train_epoch(
     features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
     replica.optimizer.zero_grad(set_to_none=True)
-    classes = cfg.source.num_classes if cfg.task.type == "classification" else None
+    classes = cfg.source.num_classes if cfg.task.type == TaskType.classification else None
     telemetry = EpochTelemetry(next(replica.model.parameters()).device, classes)
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
     for step, batch in enumerate(telemetry.timed(batches), start=1):
@@ -289,9 +301,13 @@ def train_epoch(
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely
-            progress(StepTaken(epoch, step, epoch * steps + step, log, loss.item(), time.time()))
+            progress(
+                StepTaken(
+                    epoch=epoch, step=step, global_step=epoch * steps + step, log=log, loss=loss.item(), at=time.time()
+                )
+            )
             last_sent = time.monotonic()
-    if replica.on_nonfinite == "raise" and (batch_number := telemetry.nonfinite_batch()):
+    if replica.on_nonfinite == OnNonfinite["raise"] and (batch_number := telemetry.nonfinite_batch()):
         raise FloatingPointError(
             f"the loss became NaN or inf at epoch {epoch + 1}, batch {batch_number}: training diverged, "
             "most often from a learning rate too high for the model (the last step's: "
@@ -349,7 +365,7 @@ def report(metrics: dict, replica: Replica, epoch: int, stopper: EarlyStopping |
         saved = ray.train.Checkpoint.from_directory(directory)
     else:  # a replica's rank other than 0: nothing to upload
         os.rmdir(directory)
-    mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
+    mode = CheckpointUploadMode.ASYNC if upload == CheckpointUpload["async"] else CheckpointUploadMode.SYNC
     ray.train.report(metrics, checkpoint=saved, checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
 
 
