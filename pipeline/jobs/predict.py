@@ -223,7 +223,7 @@ def prediction_split(cfg: PipelineConfig, evaluating: bool) -> tuple[str, source
         if v
     )
     layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
-    split = source.check_split(key, where, *locate(where, src.s3, key), layout.inputs)
+    split = source.check_split(key, where, *locate(where, src.s3, key), columns=layout.inputs)
     split.layout, split.steps = layout, cfg.transforms.active("valid")
     label = layout.label if layout.label in split.columns else None
     if evaluating and label is None:
