@@ -243,25 +243,29 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
         while not (runs := runs_of(client, "stopped")) or not checkpoints(
             fs, f"s3://runs/checkpoints/{runs[0].info.run_id}"
         ):
-            assert time.monotonic() < deadline, ray_job(head, "logs", job).stdout[-3000:]
+            assert time.monotonic() < deadline, (
+                f"after 300 s: {len(runs)} run(s), no checkpoint on S3; the job's log:\n"
+                + ray_job(head, "logs", job).stdout[-3000:]
+            )
             time.sleep(0.2)  # until epoch 1's checkpoint is on S3: epoch 2 is under way
         _, stopped = stop.communicate("\n", timeout=120)
     finally:
         stop.kill()
-    assert stop.returncode == 0, stopped[-2000:]
+    assert stop.returncode == 0, f"ray job stop exited {stop.returncode}:\n{stopped[-2000:]}"
     output = ray_job(head, "logs", job).stdout
     (run,) = runs_of(client, "stopped")
-    assert run.info.status == "KILLED", output[-3000:]
-    assert "Traceback" not in output and "train.resume=true tracking.run_name=long-run" in output
+    assert run.info.status == "KILLED", f"the stopped run is {run.info.status}; the job's log:\n{output[-3000:]}"
+    assert "Traceback" not in output, f"a traceback in the stopped job's log:\n{output[-3000:]}"
+    assert "train.resume=true tracking.run_name=long-run" in output, f"no resume hint in:\n{output[-3000:]}"
     # stopped during epoch 2 (or right after it); epoch 1's record may still have been in the spool at SIGKILL
     reached = len(client.get_metric_history(run.info.run_id, "train_loss"))
-    assert reached in (0, 1, 2)
+    assert reached in (0, 1, 2), f"{reached} epochs logged before the stop"
     storage = f"s3://runs/checkpoints/{run.info.run_id}"
     assert run.data.tags["pipeline.storage"] == storage
     with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
         newest = torch.load(stream, weights_only=True)["epoch"]
     # never behind the record; ahead when the driver was killed before the rest reached MLflow (resuming logs it)
-    assert newest >= reached - 1
+    assert newest >= reached - 1, f"newest checkpoint epoch {newest}, {reached} epochs logged"
 
     # Ray Train records a checkpoint only after its copy to storage, so a stop between the two leaves the
     # newest unrecorded. Without Ray's record at all, the job must continue from the newest whole checkpoint
@@ -270,19 +274,24 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
         fs.delete_file(f"{storage.removeprefix('s3://')}/checkpoint_manager_snapshot.json")
     resumed = submit(head, project, [*command, "train.resume=true"], env_vars)
     output += resumed.stdout + resumed.stderr
-    assert "succeeded" in resumed.stdout, output[-3000:]
-    (run,) = runs_of(client, "stopped")  # the same MLflow run, not a new one
-    assert run.data.tags["pipeline.storage"] == storage and run.info.status == "FINISHED"
+    assert "succeeded" in resumed.stdout, f"the resumed job did not succeed; its log:\n{output[-3000:]}"
+    runs = runs_of(client, "stopped")
+    assert len(runs) == 1, f"{len(runs)} runs named long-run: the resumed job started a new one"
+    (run,) = runs
+    assert run.data.tags["pipeline.storage"] == storage, run.data.tags
+    assert run.info.status == "FINISHED", f"the resumed run is {run.info.status}; its log:\n{output[-3000:]}"
     for key in ("train_loss", "val_loss", "val_accuracy"):  # each epoch once
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1, 2]
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == [0, 1, 2], f"{key} logged at steps {steps}"
     (restored,) = [m.step for m in client.get_metric_history(run.info.run_id, "restores")]
     # from the newest checkpoint, or the one before when the stop cut the newest's copy short
-    assert restored in (newest, newest + 1) and f"continuing at epoch {restored + 1}/3" in output
+    assert restored in (newest, newest + 1), f"restored at epoch {restored}, newest checkpoint {newest}"
+    assert f"continuing at epoch {restored + 1}/3" in output, output[-3000:]
     assert run.data.params["source.train"] == "s3://data/cifar10/train"
 
     # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
     saved = checkpoints(fs, storage)
-    assert len(saved) == newest + 1 + 3 - restored  # one an epoch, and one more for an epoch run twice
+    assert len(saved) == newest + 1 + 3 - restored, (saved, newest, restored)  # one an epoch, one more for a rerun
     with fs.open_input_file(max(saved)) as stream:
         checkpoint = torch.load(stream, weights_only=True)
     logged = torch.load(
@@ -291,7 +300,8 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
 
     # Deterministic on CPU: the S3 run, stopped and resumed, ends where an uninterrupted local one does.
-    assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"]
+    ended = {key: run.data.metrics[key] for key in ("val_accuracy", "val_loss", "train_loss")}
+    assert deterministic_run["val_accuracy"] == run.data.metrics["val_accuracy"], (ended, deterministic_run)
     assert deterministic_run["val_loss"] == pytest.approx(run.data.metrics["val_loss"], abs=1e-6)
     assert deterministic_run["train_loss"] == pytest.approx(run.data.metrics["train_loss"], abs=1e-6)
 
