@@ -163,7 +163,7 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
 
     from pipeline.api import compose
     from pipeline.data import preprocess
-    from pipeline.jobs import build
+    from pipeline.jobs import preflight
     from pipeline.runtime import cluster as runtime
 
     ledger, head = tempfile.mkdtemp(prefix="ledger-"), cluster.head_node.node_id
@@ -180,7 +180,7 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
             ]
         )
         runtime.connect(runtime.runtime(cfg.ray, cfg.scaling))
-        splits = build.sources(cfg)
+        splits = preflight.sources(cfg)
         slow = pafs.PyFileSystem(SlowStorage(latency, bandwidth, ledger))
         for split in splits.values():
             split.filesystem = slow

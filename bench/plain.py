@@ -35,7 +35,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from pipeline.config import PipelineConfig
-from pipeline.data.steps import Steps, cached_steps, streamed
+from pipeline.data.steps import Steps, cached_steps, streamed_steps
 
 WORKERS = os.cpu_count() or 2  # one per core: the fastest here
 
@@ -149,7 +149,7 @@ def rows(cfg: PipelineConfig, split: str, data: str, transforms: str) -> Rows:
     if data == "decoded":
         once, every_epoch = cached_steps(steps)
         return Rows(decode_all(images, Steps(once, first=[])), labels, batch_fn=Steps(every_epoch, first=[]))
-    return Rows(images, labels, batch_fn=Steps(streamed(steps), first=[]))
+    return Rows(images, labels, batch_fn=Steps(streamed_steps(steps), first=[]))
 
 
 def loader(cfg: PipelineConfig, dataset: Rows, shuffle: bool, device: str) -> torch.utils.data.DataLoader:

@@ -8,7 +8,6 @@ is logged and recorded, the sweep goes on, and :func:`pipeline.jobs.sweep.summar
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 
@@ -26,8 +25,8 @@ register()
 
 
 def describe_job(hydra_cfg: DictConfig):
-    """Where this job sits (a :class:`pipeline.jobs.build.Job`), from Hydra's runtime config."""
-    from pipeline.jobs.build import Job
+    """Where this job sits (a :class:`pipeline.jobs.job.Job`), from Hydra's runtime config."""
+    from pipeline.jobs.job import Job
 
     overrides = list(hydra_cfg.overrides.task)
     experiment = experiment_choice(hydra_cfg.runtime.choices)
@@ -44,12 +43,10 @@ def main(raw: DictConfig) -> float | None:
     # The stages import torch, Ray and MLflow, seconds of work: only once Hydra has composed the config,
     # so that a mistyped override or experiment fails at once.
     from pipeline.api import run_job
-    from pipeline.common import workarounds
+    from pipeline.common import signals
 
     job = describe_job(HydraConfig.get())
-    # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED; neither can be lost during training
-    signal.signal(signal.SIGINT, lambda signum, frame: workarounds.request_stop(KeyboardInterrupt()))
-    signal.signal(signal.SIGTERM, lambda signum, frame: workarounds.request_stop(SystemExit(128 + signum)))
+    signals.install()  # Ctrl-C and SIGTERM (exit 143) both end the run as KILLED
     try:
         result = run_job(raw, job)
     except KeyboardInterrupt:  # Ctrl-C: the job recorded it; a sweep stops here too

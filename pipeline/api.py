@@ -18,35 +18,35 @@ from omegaconf import DictConfig
 from pipeline.config import CONF_DIR, PipelineConfig, Stage, check_overrides, load, register
 
 
-def composed(overrides: Sequence[str] = ()) -> DictConfig:
+def hydra_config(overrides: Sequence[str] = ()) -> DictConfig:
     """The config Hydra composes for ``python -m pipeline OVERRIDES``, outside ``@hydra.main``."""
-    from hydra import compose, initialize_config_dir
+    import hydra
 
     check_overrides(list(overrides))
     register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=list(overrides))
 
 
 def compose(overrides: Sequence[str] = ()) -> PipelineConfig:
     """The typed config a stage is handed, for tests and benchmarks that build a job's parts themselves."""
-    return typed(composed(overrides))
+    return typed_config(hydra_config(overrides))
 
 
 def train(experiment: str | None = None, overrides: Sequence[str] = (), run_dir: str | None = None):
     """One training run, as ``python -m pipeline +experiment=EXPERIMENT OVERRIDES`` runs it, in this process:
-    returns a :class:`pipeline.jobs.build.JobResult` (the MLflow run's id, its last epoch's metrics, its best
+    returns a :class:`pipeline.jobs.job.JobResult` (the MLflow run's id, its last epoch's metrics, its best
     model's URI). A mistake in the config raises :class:`pipeline.common.errors.PipelineError` before Ray starts;
     Ray started here stays up for the next call."""
-    from pipeline.jobs.build import Job
+    from pipeline.jobs.job import Job
 
     chosen = [f"+experiment={experiment}"] if experiment else []
-    cfg = composed([*chosen, *overrides])
+    cfg = hydra_config([*chosen, *overrides])
     run_dir = run_dir or os.path.join(cfg.paths.outputs, "runs", time.strftime("%Y-%m-%d/%H-%M-%S"))
     return run_job(cfg, Job(run_dir, experiment or "default", overrides=[*chosen, *overrides], started_at=time.time()))
 
 
-def typed(raw: DictConfig) -> PipelineConfig:
+def typed_config(raw: DictConfig) -> PipelineConfig:
     """The composed config as the schema's objects, a source's class names counted first (what the models'
     ``${source.num_classes}`` reads)."""
     from pipeline.data.source import with_classes
@@ -60,9 +60,9 @@ def run_job(raw: DictConfig, job):
     checked where a submitted Ray job would lose its outputs, then run."""
     from pipeline.jobs import predict
     from pipeline.jobs import train as training_job
-    from pipeline.runtime import cluster
+    from pipeline.runtime import checks
 
-    config = typed(raw)  # each stage gets the typed config: cfg.train.epochs
-    cluster.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
+    config = typed_config(raw)  # each stage gets the typed config: cfg.train.epochs
+    checks.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
     stage = predict.run if config.stage in (Stage.predict, Stage.evaluate) else training_job.run
     return stage(config, job)

@@ -48,7 +48,7 @@ from PIL import Image
 
 from pipeline.api import compose
 from pipeline.config import register
-from pipeline.jobs.build import Job
+from pipeline.jobs.job import Job
 from pipeline.jobs.train import run
 
 register()

@@ -13,7 +13,7 @@ from test_own_data import write_sorted_and_shuffled
 from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig
 from pipeline.data import preprocess, source, steps
-from pipeline.jobs import build
+from pipeline.jobs import preflight
 from pipeline.runtime.cluster import local_cpus
 from transforms import decode_image
 
@@ -47,7 +47,7 @@ def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit
     so) and a run of one epoch, which reads each row once; true fails before training with the estimate
     and the settings to change; false never caches."""
     args = [f"source.root={data_root}", "source.download=null", "train.epochs=2"]
-    splits = build.sources(compose_cfg(args))
+    splits = preflight.sources(compose_cfg(args))
     plan = preprocess.cache_plan(compose_cfg(args), splits)
     assert plan.on
     assert 3 * 32 * 32 + 8 < plan.row_bytes["train"] < 3 * 32 * 32 + 200  # pixels, label and the file's path

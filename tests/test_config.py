@@ -17,9 +17,9 @@ from pipeline.common.errors import PipelineError
 from pipeline.config import CONF_DIR, PipelineConfig, TrainConfig, TransformSpec, validate
 from pipeline.data.preprocess import placement, read_placement
 from pipeline.jobs.predict import actor_options
-from pipeline.jobs.preflight import check_resources
-from pipeline.runtime.cluster import Runtime, check_outlives_job, runtime, runtime_env
-from pipeline.training.checkpoint import amp_plan
+from pipeline.runtime.checks import check_outlives_job, check_resources
+from pipeline.runtime.cluster import Runtime, runtime, runtime_env
+from pipeline.training.precision import amp_plan
 from pipeline.training.trainer import trainer_settings
 from pipeline.training.worker import planned_updates, steps_per_epoch
 

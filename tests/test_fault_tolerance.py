@@ -23,7 +23,7 @@ from test_pipeline import cli_env
 from pipeline.api import compose
 from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import epoch_metrics
-from pipeline.jobs.build import Job
+from pipeline.jobs.job import Job
 from pipeline.jobs.train import run
 
 
@@ -180,9 +180,10 @@ def test_resume_without_a_run_to_resume_is_a_clear_error(tmp_path, data_root, mo
 
 def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
     """A KeyboardInterrupt raised inside a finalizer is only printed; the request it made still ends fit()."""
-    from pipeline.common import workarounds
+    from pipeline.common import signals
+    from pipeline.training import trainer
 
-    monkeypatch.setattr(workarounds, "_stop_requests", [])
+    monkeypatch.setattr(signals, "_requests", [])
 
     class SlowTrainer:  # stands in for TorchTrainer: fit() would return after 10 s
         def fit(self) -> str:
@@ -191,8 +192,8 @@ def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
 
     def swallowed_ctrl_c() -> None:
         with contextlib.suppress(KeyboardInterrupt):  # what happens to it inside a __del__
-            workarounds.request_stop(KeyboardInterrupt())
+            signals.request_stop(KeyboardInterrupt())
 
     threading.Timer(0.3, swallowed_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):  # not "finished"
-        workarounds.fit_off_main_thread(SlowTrainer())
+        trainer.fit_off_main_thread(SlowTrainer())

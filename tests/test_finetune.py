@@ -20,8 +20,8 @@ from mlflow import MlflowClient
 from pipeline.common.errors import PipelineError
 from pipeline.common.workarounds import global_tracking_uri
 from pipeline.config import FinetuneConfig, PipelineConfig
-from pipeline.jobs import build, predict, preflight
-from pipeline.jobs.build import Job
+from pipeline.jobs import predict, preflight
+from pipeline.jobs.job import Job
 from pipeline.jobs.train import run
 from pipeline.tracking import models
 from pipeline.training import finetune
@@ -205,7 +205,7 @@ def test_a_run_checkpoint_and_a_state_dict_file_give_the_same_start_with_a_fresh
     starts = {}
     for weights in (str(checkpoint), str(checkpoint / "checkpoint.pt"), f"runs:/{version.run_id}/model"):
         cfg = table_config(root / "four", root / "outputs", 3, [f"finetune.weights={weights}"])
-        starts[weights] = build.start_weights(cfg)
+        starts[weights] = preflight.start_weights(cfg)
         assert starts[weights].fresh == ["6.bias", "6.weight"]  # 3 classes here, 4 there
         assert sorted(starts[weights].state) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     last = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["model"]
@@ -219,7 +219,7 @@ def test_torchvision_weights_without_network_fail_before_ray_starts_naming_the_f
     monkeypatch.setattr(preflight.cluster, "connect", lambda wanted: pytest.fail("Ray started"))
     cfg = compose_cfg(["model=resnet18", "finetune.weights=IMAGENET1K_V1", f"paths.outputs={tmp_path}"])
     with pytest.raises(PipelineError) as raised:
-        preflight.checked(cfg)
+        preflight.check(cfg)
     cached = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
     assert f"put it at {cached}" in str(raised.value)
     assert "Download https://download.pytorch.org/models/resnet18-f37072fd.pth" in str(raised.value)
@@ -229,7 +229,7 @@ def test_torchvision_weights_without_network_fail_before_ray_starts_naming_the_f
     import torchvision
 
     torch.save(torchvision.models.resnet18().state_dict(), cached)
-    initial = build.start_weights(cfg)
+    initial = preflight.start_weights(cfg)
     assert initial.fresh == ["fc.bias", "fc.weight"] and "conv1.weight" in initial.state  # 10 classes, not 1000
 
 
@@ -248,7 +248,7 @@ def test_weights_and_patterns_that_do_not_fit_fail_naming_the_key(tmp_path, sett
     overrides = [f"finetune.{key}={value}" for key, value in settings.items()]
     cfg = compose_cfg(["+experiment=wine_mlp", f"paths.outputs={tmp_path}", *overrides])
     with pytest.raises(PipelineError) as raised:
-        build.start_weights(cfg)
+        preflight.start_weights(cfg)
     assert message in str(raised.value)
 
 
@@ -256,7 +256,7 @@ def test_weights_of_another_model_fail_naming_the_parameters_that_differ(tmp_pat
     torch.save(torch.nn.Linear(13, 64).state_dict(), tmp_path / "linear.pt")
     cfg = compose_cfg(["+experiment=wine_mlp", f"finetune.weights={tmp_path / 'linear.pt'}"])
     with pytest.raises(PipelineError) as raised:
-        build.start_weights(cfg)
+        preflight.start_weights(cfg)
     assert "weight is not in the model" in str(raised.value) and "0.weight is missing there" in str(raised.value)
     assert "Only the head (6.bias, 6.weight; finetune.head sets it) may differ" in str(raised.value)
 

@@ -23,7 +23,7 @@ from pipeline.common.errors import PipelineError
 from pipeline.config import TaskConfig, validate
 from pipeline.data import datasets, source
 from pipeline.jobs import predict
-from pipeline.jobs.build import Job
+from pipeline.jobs.job import Job
 from pipeline.jobs.train import run
 from pipeline.tracking import lineage
 from pipeline.tracking.scores import per_class, report

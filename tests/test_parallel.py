@@ -30,7 +30,7 @@ from test_pipeline import no_runs_logged, run_cli
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import validate
-from pipeline.training import checkpoint, finetune, parallel
+from pipeline.training import checkpoint, finetune, parallel, scaling
 from pipeline.training.worker import Replica, weights_digest
 
 TINY = ["model.num_layers=2", "model.hidden_dim=32", "model.mlp_dim=64"]
@@ -75,7 +75,7 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
         directory = os.path.join(out, f"rank{rank}")
         os.makedirs(directory)
         replica.save(directory, 0, None, rank)
-        written = parallel.gathered(checkpoint.files(directory))
+        written = parallel.from_every_rank(checkpoint.files(directory))
         steps = [int(s["step"]) for s in replica.optimizer.state.values()]
         if rank == 0:
             torch.save(
@@ -377,7 +377,7 @@ def test_a_compiled_fsdp_vit_logs_a_model_mlflow_loads_alone_and_a_fine_tune_sta
     model = instantiate(cfg.model)
     model.load_state_dict(weights)
     images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
-    scale = checkpoint.feature_scaler(cfg.ingest.normalize, None, CPU)
+    scale = scaling.feature_scaler(cfg.ingest.normalize, None, CPU)
     with torch.no_grad():
         assert torch.allclose(served(images), model.eval()(scale(images)), atol=1e-5)
 

@@ -132,4 +132,4 @@ def test_evaluation_scores_source_test_when_given_and_a_test_split_without_label
     given = [*base, f"source.test={wine / 'test'}", f"predict.source={wine / 'valid'}"]
     assert prediction_split(compose_cfg(given), evaluating=True)[0] == "predict.source"
     with pytest.raises(PipelineError, match=r"stage=evaluate .* but source.test .*/test has no column 'target'"):
-        preflight.checked(compose_cfg([*base, f"source.test={wine / 'test'}", "train.evaluate=true"]))
+        preflight.check(compose_cfg([*base, f"source.test={wine / 'test'}", "train.evaluate=true"]))

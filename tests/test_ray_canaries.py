@@ -19,15 +19,14 @@ import ray.train
 from ray.train.torch import TorchTrainer
 from ray.util.placement_group import PlacementGroup
 
+from pipeline.common.errors import root_cause
 from pipeline.common.workarounds import (
     STREAMED_BLOCK_BYTES,
-    explain,
-    kept_checkpoints,
     quiet_tune_state_upload_race,
     release_placement_group,
-    root_cause,
     streamed_blocks,
 )
+from pipeline.training.trainer import explain, kept_checkpoints
 
 
 def read_a_bad_row(config: dict) -> None:

@@ -12,7 +12,7 @@ from conftest import compose_cfg, in_block_order, jpeg, row_groups, write_split
 import transforms
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps, stream
-from pipeline.jobs import build
+from pipeline.jobs import preflight
 
 
 @pytest.mark.parametrize(("tasks", "windows"), [(1, 1), (5, 2), (8, 8), (13, 4), (40, 3)])
@@ -157,8 +157,8 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
         )
     args = [f"source.root={tmp_path}", "source.download=null", "transforms=imagenet", "ingest.cache=false"]
     cfg = compose_cfg(args)
-    splits = build.sources(cfg)
-    assert list(steps.streamed(splits["train"].steps)) == ["crop"]
+    splits = preflight.sources(cfg)
+    assert list(steps.streamed_steps(splits["train"].steps)) == ["crop"]
     with preprocess.training_data(cfg, splits) as data:
         assert set(data.streams) == {"train", "valid"} and not data.caches
         rows = data.datasets["train"].take_all()
@@ -168,4 +168,4 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     assert sorted(np.asarray(row["image"]).tobytes() for row in rows) == sorted(e.tobytes() for e in expected)
 
     with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):
-        build.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))
+        preflight.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))

@@ -9,7 +9,7 @@ from conftest import capture_warnings, compose_cfg
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException, RestException
 
-from pipeline.jobs.build import Job
+from pipeline.jobs.job import Job
 from pipeline.tracking import mlflow_store, spool
 from pipeline.tracking.delivery import metrics_record
 from pipeline.tracking.run_config import logged_config
@@ -35,7 +35,7 @@ def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
     store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
-    job = Job(str(tmp_path), "e", ["tracking.uri=https://alice:tok-3141@mlflow.example.com"])
+    job = Job(str(tmp_path), "e", overrides=["tracking.uri=https://alice:tok-3141@mlflow.example.com"])
     run_id = Tracker.start(store, cfg, job, None, None).run_id
     run = client.get_run(run_id)
     assert run.data.params["tracking.uri"] == "https://alice:***@mlflow.example.com"

@@ -14,8 +14,8 @@ from conftest import free_port
 from pipeline.common.metrics import epoch_metrics
 from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.data.source import Layout
-from pipeline.training.checkpoint import autocast_settings
 from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.precision import autocast_settings
 from pipeline.training.task import Task
 from pipeline.training.worker import Replica, prefetched, train_epoch, validate
 

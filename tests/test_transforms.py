@@ -304,12 +304,12 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
     import ray
 
     from pipeline.data import preprocess
-    from pipeline.jobs import build
+    from pipeline.jobs import preflight
 
     write_split(tmp_path / "cifar10" / "train", 64, 2, seed=0)
     write_split(tmp_path / "cifar10" / "test", 16, 1, seed=1)
     cfg = compose_cfg([f"source.root={tmp_path}", "source.download=null"])
-    split = build.sources(cfg)["train"]
+    split = preflight.sources(cfg)["train"]
     flip = cfg.transforms.train["flip"]
     split.steps = {
         "decode": cfg.transforms.train["decode"],
@@ -347,7 +347,7 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.training.checkpoint import feature_scaler
+    from pipeline.training.scaling import feature_scaler
     from pipeline.training.worker import torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
@@ -371,7 +371,7 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     import ray.data
 
     from pipeline.data.preprocess import feature_statistics
-    from pipeline.training.checkpoint import feature_scaler
+    from pipeline.training.scaling import feature_scaler
     from pipeline.training.worker import torch_batches
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
@@ -416,7 +416,7 @@ def test_statistics_skip_missing_values_and_a_feature_without_any_fails_naming_i
     import ray.data
 
     from pipeline.data.preprocess import feature_statistics
-    from pipeline.training.checkpoint import feature_scaler
+    from pipeline.training.scaling import feature_scaler
 
     features = np.array([[1.0, np.nan], [3.0, np.nan], [np.nan, np.nan]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f} for f in features])

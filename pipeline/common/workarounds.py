@@ -1,6 +1,11 @@
-"""Every workaround for Ray's own behaviour (ray 2.60.0), and MLflow's (3.17), each with the behaviour it
-targets; each is pinned by a canary that fails when that behaviour changes: in ``tests/test_ray_canaries.py``,
-or, for a submitted job's and a token cluster's, in ``tests/test_jobs.py``. All run on the driver.
+"""Small workarounds for Ray's (2.60), MLflow's (3.17) and Hydra's (1.3.2 API, 1.3.8 installed) behaviour,
+each naming the behaviour it targets and pinned by a canary that fails when that behaviour changes: in
+``tests/test_ray_canaries.py``, or, for a submitted job's and a token cluster's, in ``tests/test_jobs.py``.
+
+Workarounds that own a whole concern live with it: fit() off the main thread and the kept checkpoints
+(:mod:`pipeline.training.trainer`), Ray's traceback text read for the user's error (``root_cause`` in
+:mod:`pipeline.common.errors`), a lost GCS noticed (:mod:`pipeline.runtime.lifeline`) and the experiment
+kind MLflow's UI opens (:mod:`pipeline.tracking.mlflow_store`).
 """
 
 from __future__ import annotations
@@ -12,19 +17,15 @@ import os
 import re
 import signal
 import socket
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
-
-from pipeline.common.errors import PipelineError
 
 if TYPE_CHECKING:  # not at run time: Hydra's plugins import this module for every command, before it composes
     import ray  # the config, and Ray Data's tasks import it too; Ray's, Ray Train's and torch's imports take seconds
     import ray.data
     import ray.train
-    from ray.train.torch import TorchTrainer
 
 
 @contextlib.contextmanager
@@ -148,7 +149,7 @@ def in_submitted_job() -> bool:
     Ray 2.60 says so in no public API before ``ray.init``: its job supervisor hands the entrypoint the
     job's runtime_env in ``RAY_JOB_CONFIG_JSON_ENV_VAR``, which ``ray.init`` merges with its own. Such an
     entrypoint runs in a temporary copy of the submitted working directory. Canary: a job of
-    ``tests/test_jobs.py`` stopped by :func:`pipeline.runtime.cluster.check_outlives_job`."""
+    ``tests/test_jobs.py`` stopped by :func:`pipeline.runtime.checks.check_outlives_job`."""
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
 
 
@@ -200,9 +201,6 @@ def process_title(process: psutil.Process) -> str:
         return ""
 
 
-_stop_requests: list[BaseException] = []
-
-
 @contextlib.contextmanager
 def own_sigterm_handler():
     """The process's SIGTERM handler (the pipeline's :func:`request_stop`) put back after the block.
@@ -216,83 +214,6 @@ def own_sigterm_handler():
         yield
     finally:
         signal.signal(signal.SIGTERM, handler)
-
-
-def request_stop(error: BaseException) -> None:
-    """A signal handler's body: raise ``error`` (KeyboardInterrupt, SystemExit) now, and again from
-    :func:`fit_off_main_thread`'s wait loop. An exception a handler raises while a finalizer runs on
-    the main thread (Ray's handles have ``__del__``) is only printed; a lost Ctrl-C would leave
-    training running."""
-    _stop_requests.append(error)
-    raise error
-
-
-def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
-    """``trainer.fit()`` in a helper thread, waited on from this one.
-
-    Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
-    installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
-    dataset split coordinators) alive after the run, so a sweep piles them up. Off the main thread it
-    installs none: Ctrl-C and SIGTERM reach the pipeline as KeyboardInterrupt / SystemExit, the run
-    is recorded as KILLED, and leaving the process takes the run's actors with it.
-    """
-    import ray
-
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as err:  # re-raised on the calling thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
-    thread.start()
-    try:
-        while thread.is_alive():
-            thread.join(timeout=0.5)  # a bounded wait lets signals through
-            if _stop_requests:
-                raise _stop_requests[0]
-    except BaseException:
-        # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
-        # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
-        # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
-        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
-        atexit.register(ray.shutdown)
-        raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def root_cause(err: BaseException) -> str:
-    """The innermost error of a worker failure, as ``Type: message``.
-
-    Ray 2.60 flattens an error raised in a task or actor (a Ray Data transform, a training worker)
-    into traceback text; the last ``SomeError: ...`` line that is not one of Ray's wrappers is what
-    user code raised.
-    """
-    lines = [
-        line
-        for line in str(err).splitlines()
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*: ", line) and not line.startswith("ray.")
-    ]
-    return lines[-1] if lines else f"{type(err).__name__}: {err}"
-
-
-def explain(err: ray.train.TrainingFailedError) -> PipelineError:
-    """One line per distinct cause, instead of Ray's truncated multi-rank traceback snippet."""
-    import ray.train  # loaded by then: a training run failed
-
-    if isinstance(err, ray.train.WorkerGroupError):
-        causes = sorted({root_cause(e) for e in err.worker_failures.values()})
-        where = f"on rank(s) {sorted(err.worker_failures)}"
-    else:  # ControllerError: the controller itself failed (storage, a callback, scheduling)
-        causes, where = [root_cause(getattr(err, "controller_failure", err))], "in Ray Train's controller"
-    return PipelineError(
-        f"training failed {where}: {'; '.join(causes)} "
-        "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
-    )
 
 
 def release_placement_group(group_id: str) -> None:
@@ -311,18 +232,6 @@ def release_placement_group(group_id: str) -> None:
     group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
     if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
         remove_placement_group(group)
-
-
-def kept_checkpoints(result: ray.train.Result) -> set[str]:
-    """The paths of every checkpoint Ray Train keeps on storage at the end of a run.
-
-    Ray 2.60: with ``num_to_keep``, Ray Train keeps the best ``num_to_keep`` checkpoints and, always, the
-    latest; ``Result.best_checkpoints`` lists only the former, so a latest checkpoint that is not among the
-    best is on storage but in no list but ``Result.checkpoint``."""
-    kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints or []}
-    if result.checkpoint is not None:
-        kept.add(result.checkpoint.path)
-    return kept
 
 
 CONNECT_TIMEOUT_S = 5.0  # how long check_reachable waits for a cluster's address to answer
@@ -344,7 +253,7 @@ def check_reachable(address: str, unreachable: Callable[[str, Exception], Except
 def hydra_basic_plugins() -> tuple[type, type]:
     """Hydra's basic launcher and sweeper, which the pipeline's own extend (``pipeline/plugins``).
 
-    Hydra 1.3.2 exports them only from ``hydra._internal.core_plugins``; a launcher that keeps its basic
+    Hydra 1.3 (1.3.8 installed) exports them only from ``hydra._internal.core_plugins``; a launcher that keeps its basic
     behaviour must subclass them there. Imported when Hydra loads the plugins, for every command."""
     from hydra._internal.core_plugins.basic_launcher import BasicLauncher
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper

@@ -19,12 +19,11 @@ import ray.data
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.common import workarounds
-from pipeline.common.errors import PipelineError
+from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
 from pipeline.data import cache, pieces, source, stream
 from pipeline.data.coordinator import Coordinator
-from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed
+from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed_steps
 from pipeline.runtime.cluster import placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
@@ -182,7 +181,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
         data.__exit__()
         if isinstance(err, RayError):
             raise PipelineError(
-                f"preprocessing failed: {workarounds.root_cause(err)} (full tracebacks: Ray's session logs, "
+                f"preprocessing failed: {root_cause(err)} (full tracebacks: Ray's session logs, "
                 "/tmp/ray/session_latest/logs on the head node)."
             ) from err
         raise
@@ -245,7 +244,7 @@ def streamed_dataset(
     time read by a reader on each node where the split's first step may run, every step run as its rows are
     gathered.
     ``columns`` as :func:`dataset`'s."""
-    steps, where = streamed(split.steps), read_placement(split.steps)
+    steps, where = streamed_steps(split.steps), read_placement(split.steps)
     columns_read = [*split.layout.inputs, *columns[1:]]
     streaming = stream.open_stream(
         coordinator,
@@ -257,7 +256,7 @@ def streamed_dataset(
         budget=budget,
         where=where,
     )
-    return gathered(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator), streaming
+    return epoch_dataset(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator), streaming
 
 
 def cached_dataset(
@@ -288,10 +287,10 @@ def cached_dataset(
         seed=shuffle_seed,
         options=build_options,
     )
-    return gathered(built, shuffle_seed, every_epoch, [], columns, coordinator), built
+    return epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator), built
 
 
-def gathered(
+def epoch_dataset(
     source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, coordinator
 ):
     """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first``

@@ -55,7 +55,7 @@ class Layout:
 class Split:
     """One split's parquet files, row count (capped by ``source.limit``) and the filesystem they are on,
     and, as a job reads it, what the model takes of its rows and the transform steps they go through
-    (set by :func:`pipeline.jobs.build.sources`, or predict)."""
+    (set by :func:`pipeline.jobs.preflight.sources`, or predict)."""
 
     uri: str  # as the config names it
     files: list[str]

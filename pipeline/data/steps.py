@@ -29,7 +29,7 @@ from pipeline.data import source
 from transforms.tabular import stack_features
 
 
-def streamed(steps: dict[str, TransformSpec]) -> dict[str, TransformSpec]:
+def streamed_steps(steps: dict[str, TransformSpec]) -> dict[str, TransformSpec]:
     """The steps a split that is not cached runs: without those that only make the cache's working size
     (``streamed: false``), whose work the next step does itself."""
     return {name: spec for name, spec in steps.items() if spec.streamed}

@@ -1,23 +1,12 @@
-"""One training job, built on the driver in the order its parts depend on each other: where it sits
-(:class:`Job`), its checked sources (here), its datasets (:func:`pipeline.data.preprocess.training_data`),
-its checkpoint storage (:func:`pipeline.runtime.filesystems.run_storage`), the weights it starts from
-(:func:`start_weights`), then training
-(:func:`pipeline.training.trainer.fit`). A run (``train.py``) and a Tune trial (``trial.py``, in a trial actor)
-both build theirs with these functions.
-"""
+"""Where a job sits (:class:`Job`: its output directory, experiment, sweep) and what it hands back
+(:class:`JobResult`), with the names and records a job writes beside its outputs."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import KW_ONLY, dataclass, field
-
-from pipeline.common.errors import PipelineError
-from pipeline.config import PipelineConfig, check_values
-from pipeline.data import source, steps
-from pipeline.training import finetune
 
 
 @dataclass
@@ -64,38 +53,3 @@ def append_record(directory: str, name: str, record: dict) -> None:
     each epoch's report; ``workers.jsonl``, where each worker ran)."""
     with open(os.path.join(directory, name), "a") as out:
         out.write(json.dumps(record, default=str) + "\n")
-
-
-def sources(cfg: PipelineConfig) -> dict[str, source.Split]:
-    """The config's values checked, then its splits found and their files' footers read: every check
-    that needs neither Ray nor the job's MLflow run. Each split carries its active transform steps."""
-    active = {name: cfg.transforms.active(name) for name in source.SPLITS}
-    check_values(cfg)
-    for name in source.SPLITS:
-        steps.check_streamed(name, active[name])
-    splits = source.prepare(cfg.source)
-    for name, split in splits.items():
-        split.steps = active[name]
-    return splits
-
-
-def transform_cpus(splits: dict[str, source.Split]) -> float:
-    """The most CPUs one transform step of the job asks for (0 without steps)."""
-    return max((s.num_cpus for split in splits.values() for s in split.steps.values()), default=0)
-
-
-def start_weights(cfg: PipelineConfig) -> finetune.Initial | None:
-    """The weights a job starts from (``finetune.weights``, read and matched to the model), or None. An
-    MLflow model is downloaded from the job's store first."""
-    from pipeline.tracking import mlflow_store, models  # MLflow's imports, only for a job that starts from weights
-
-    weights = cfg.finetune.weights
-    with tempfile.TemporaryDirectory() as tmp:
-        files = None
-        if weights is not None and weights.startswith(models.MODEL_URI_SCHEMES):
-            client, _ = mlflow_store.connect(cfg.tracking.uri, cfg.paths.outputs)
-            try:
-                files = models.model_weights(client, weights, tmp)
-            except PipelineError as err:
-                raise PipelineError(f"finetune.weights: {err}") from err
-        return finetune.initial_weights(cfg.model, cfg.finetune, files)

@@ -28,8 +28,8 @@ from mlflow.entities import LoggedModelInput
 from mlflow.exceptions import MlflowException
 from ray.exceptions import RayTaskError, UserCodeException
 
-from pipeline.common import console, workarounds
-from pipeline.common.errors import PipelineError, redact
+from pipeline.common import console
+from pipeline.common.errors import PipelineError, redact, root_cause
 from pipeline.config import (
     NormalizeConfig,
     PipelineConfig,
@@ -41,12 +41,14 @@ from pipeline.config import (
     validate,
 )
 from pipeline.data import preprocess, source, steps
-from pipeline.jobs.build import JobResult
-from pipeline.runtime import cluster
+from pipeline.jobs.job import JobResult
+from pipeline.runtime import checks, cluster
 from pipeline.runtime.filesystems import locate
 from pipeline.tracking import delivery, lineage, mlflow_store, models, run_config, scores, tracker
-from pipeline.training.checkpoint import autocast_settings, feature_scaler, is_checkpoint
+from pipeline.training.checkpoint import is_checkpoint
 from pipeline.training.checkpoint import load as load_state
+from pipeline.training.precision import autocast_settings
+from pipeline.training.scaling import feature_scaler
 from pipeline.training.task import Task, prediction_metrics
 
 log = logging.getLogger(__name__)
@@ -256,7 +258,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
     output = predict.output or os.path.join(os.path.abspath(job.run_dir), "predictions")
     check_output(output, src.s3)
     cluster.connect(cluster.runtime(cfg.ray, cfg.scaling))
-    cluster.check_shared(cfg.ray.address, {key: split.files[0] if split.local else None, "predict.output": output})
+    checks.check_shared(cfg.ray.address, {key: split.files[0] if split.local else None, "predict.output": output})
 
     if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
         store = mlflow_store.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
@@ -270,7 +272,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
         client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
     with mlflow_store.recorded(client, run_id):
         columns = [split.layout.model_input] + ([label] if label else []) + ["path"]
-        rows = preprocess.dataset(split, steps.streamed(split.steps), columns, src)
+        rows = preprocess.dataset(split, steps.streamed_steps(split.steps), columns, src)
         predictor = {
             "model_cfg": model_cfg,
             "task_cfg": task_cfg,
@@ -294,7 +296,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
         try:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
-            raise PipelineError(f"prediction failed: {workarounds.root_cause(err)}") from err
+            raise PipelineError(f"prediction failed: {root_cause(err)}") from err
         seconds, table = time.perf_counter() - started, written(output, src.s3, label)
         metrics = score(table, label, task_cfg, seconds)
         if cfg.stage == Stage.evaluate:  # where it errs: per class, or its residuals

@@ -29,7 +29,7 @@ log = logging.getLogger("pipeline")
 def record_uncomposable(sweep_config: DictConfig, overrides: list[str], number: int, err: Exception) -> JobReturn:
     """A sweep job whose overrides do not compose, as a FAILED child of the sweep's parent run (with the
     sweep's base config and the error), and as a finished job to Hydra, so the sweep goes on."""
-    from pipeline.jobs.build import Job  # the training stage's imports, only when a job has failed
+    from pipeline.jobs.job import Job  # the training stage's imports, only when a job has failed
 
     console.quiet_libraries()
     error = PipelineError("the overrides do not compose: " + " ".join(str(err.__cause__ or err).split()))

@@ -1,9 +1,17 @@
-"""One training job, start to end, on the driver: checks -> datasets -> tracker -> fit -> model logged,
-built as :mod:`pipeline.jobs.build` says (as a Tune trial builds its own).
+"""One training job on the driver, built in the order its parts need each other and run top to bottom by
+:class:`TrainingJob`, the one owner of a job (the command line's, ``pipeline.train``'s, a sweep's):
 
-Every check that can fail on the user's input runs before the job's MLflow run is created (those
-that need Ray, once it is up). A single run that fails them leaves nothing in MLflow; a sweep's job
-records them as a FAILED child run, so the sweep shows every job it tried.
+    check     config, data, storage and start weights; Ray started; the cluster's checks  (preflight)
+    datasets  each split read lazily, cached or streamed, with its transforms           (preprocess)
+    record    the MLflow run, with the splits, the ingest plan and the start weights    (Tracker)
+    storage   where the checkpoints go                                                  (run_storage)
+    fit       Ray Train's TorchTrainer to the end, each worker event to the record      (trainer.fit)
+    finish    the models logged and the best registered; a run that learned nothing flagged
+    evaluate  with train.evaluate, the best model on the held-out rows                  (predict)
+
+A Tune trial is the same job: :class:`pipeline.jobs.trial.TrialJob` overrides the steps where it differs.
+Every check that can fail on the user's input runs before the MLflow run is created: a single run that fails
+them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep shows every job.
 """
 
 from __future__ import annotations
@@ -15,80 +23,135 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 
+import ray.train
 from ray.exceptions import RayError
 
-from pipeline.common import console, workarounds
+from pipeline.common import console
 from pipeline.common.errors import PipelineError, redact
 from pipeline.config import PipelineConfig
 from pipeline.data import preprocess, source
 from pipeline.jobs import predict, preflight
-from pipeline.jobs.build import Job, JobResult, append_record
+from pipeline.jobs.job import Job, JobResult, append_record
 from pipeline.runtime import filesystems, lifeline
+from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.tracker import Tracker
-from pipeline.training import task, trainer
+from pipeline.training import finetune, task, trainer
 from pipeline.training.events import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: PipelineConfig, job: Job) -> JobResult:
-    """Run one experiment from its typed config; returns its run, last epoch's metrics and best model."""
-    job.run_dir = os.path.abspath(job.run_dir)
-    console.quiet_libraries()
-    kind, names = cfg.task.type, cfg.task.metrics
-    try:
-        splits, initial = preflight.checked(cfg)
-        baseline = task.constant_baseline(kind, names, source.labels(splits["valid"]))  # what learning must beat
-        plan = preprocess.cache_plan(cfg, splits)
-        # with ingest.standardize, a pass over the training split: a value it cannot use fails here
-        data = preprocess.training_data(cfg, splits, plan)
+class TrainingJob:
+    """One training job: ``TrainingJob(cfg, job).run()``. Each step below is a method a Tune trial may override;
+    the parts each step builds are attributes, set in the order ``run`` reads."""
+
+    def __init__(self, cfg: PipelineConfig, job: Job):
+        self.cfg, self.job = cfg, job
+        job.run_dir = os.path.abspath(job.run_dir)
+        self.splits: dict[str, source.Split] = {}
+        self.initial: finetune.Initial | None = None  # the weights training starts from (finetune.weights)
+        self.tracker: Tracker | None = None  # the job's MLflow run (None in a Tune trial: its driver records it)
+
+    def run(self) -> JobResult | None:
+        console.quiet_libraries()
+        try:
+            self.check()
+            data = self.datasets()
+        except PipelineError as err:
+            if self.job.sweep_dir:  # a sweep keeps a record of every job it tried
+                Tracker.open(self.cfg, self.job).end("FAILED", err)
+            raise
+        with data, self.record(data):
+            storage = self.storage()
+            result = self.fit(data, storage)
+            self.finish(data, result)
+        return self.evaluate()
+
+    def check(self) -> None:
+        """Every check before the run exists, Ray started between them (:mod:`pipeline.jobs.preflight`)."""
+        self.splits, self.initial = preflight.check(self.cfg)
+
+    def datasets(self) -> preprocess.TrainingData:
+        """Each split's dataset; with ``ingest.standardize``, a pass over the training split, where a value it
+        cannot use fails."""
+        data = preprocess.training_data(self.cfg, self.splits)
         if data.mixing is not None and (warning := data.mixing.warning()):
             log.warning("%s", warning)  # before training: a split its windows cannot mix
-    except PipelineError as err:
-        if job.sweep_dir:  # a sweep keeps a record of every job it tried
-            Tracker.open(cfg, job).end("FAILED", err)
-        raise
-    with data:
+        return data
+
+    @contextmanager
+    def record(self, data: preprocess.TrainingData) -> Iterator[None]:
+        """The job's MLflow run, open while the block runs: it ends FINISHED, or FAILED / KILLED with the error."""
+        job = self.job
         os.makedirs(job.run_dir, exist_ok=True)
-        tracker = Tracker.open(cfg, job)
+        self.tracker = tracker = Tracker.open(self.cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
-        with tracker, resume_hint(tracker):  # the run ends FINISHED, or FAILED / KILLED with the error
-            tracker.log_data(splits, data.statistics)
+        with tracker, resume_hint(tracker):
+            tracker.log_data(self.splits, data.statistics)
             tracker.log_ingest(shuffle=data.mixing.summary() if data.mixing else None)
-            if initial is not None:
-                log.info("finetune: %s", initial.summary())
-                tracker.log_start_weights(initial)
-            reporter = report_cache(data, tracker)
-            tracker.epochs.expect_rows(data.rows, cfg.ingest.drop_last)
-            storage = filesystems.run_storage(cfg.storage, job.run_dir, tracker.run_id, tracker.resume_from)
-            tracker.set_storage(storage)
-            tracker.record.spool_to(job.run_dir)  # from here on, training never waits on the tracking server
-            tracker.epochs.reconcile(storage)  # a resumed run: the epoch an interrupted attempt saved but did not log
-            steps, wait_limit = trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning
-            progress = console.Progress(cfg.train.epochs, steps, wait_limit)
-            with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
-                result = trainer.fit(cfg, data, storage, JobEvents(tracker, job.run_dir, progress), initial)
-            reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
-            reads = data.reads()
-            if reads is not None:
-                log.info("ingest: %s", reads)
-            tracker.log_ingest(reads=reads)
-            if tracker.epochs.last is None:
-                raise PipelineError("training finished without reporting an epoch.")
-            alias = None if job.sweep_dir else cfg.tracking.register_alias  # a sweep's: its best job's
-            tracker.finish_models(workarounds.kept_checkpoints(result), alias)
-            verdict = task.no_learning(kind, names, tracker.epochs.last, baseline)
-            if verdict is not None:  # the run still finishes: its curves and model say what went wrong
-                log.warning("%s", verdict)
-                tracker.flag_no_learning(verdict)
-    if cfg.train.evaluate:  # the best model on the held-out rows (source.test), in a run nested under this one
-        scoring = replace(cfg.predict, run=tracker.run_id)
-        predict.run(replace(cfg, stage="evaluate", predict=scoring, tracking=replace(cfg.tracking, run_name=None)), job)
-    metric = cfg.optimized_metric
-    last = tracker.epochs.last
-    log.info("finished: %s %.4f; %s", metric, last[metric], mlflow_store.run_link(tracker.uri, tracker.run_id))
-    return JobResult(tracker.run_id, {k: last[k] for k in tracker.epochs.metrics}, tracker.model_uri())
+            if self.initial is not None:
+                log.info("finetune: %s", self.initial.summary())
+                tracker.log_start_weights(self.initial)
+            tracker.epochs.expect_rows(data.rows, self.cfg.ingest.drop_last)
+            yield
+
+    def storage(self) -> RunStorage:
+        """Where the checkpoints go: the run's own directory, which a resumed run continues from; from here on,
+        training never waits on the tracking server."""
+        tracker = self.tracker
+        storage = filesystems.run_storage(self.cfg.storage, self.job.run_dir, tracker.run_id, tracker.resume_from)
+        tracker.set_storage(storage)
+        tracker.record.spool_to(self.job.run_dir)
+        tracker.epochs.reconcile(storage)  # a resumed run: the epoch an interrupted attempt saved but did not log
+        return storage
+
+    def fit(self, data: preprocess.TrainingData, storage: RunStorage) -> ray.train.Result:
+        """Training to the end, each worker event recorded as it comes, the cache's figures once it is built."""
+        cfg, tracker = self.cfg, self.tracker
+        reporter = report_cache(data, tracker)
+        progress = console.Progress(cfg.train.epochs, trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning)
+        with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
+            result = trainer.fit(cfg, data, storage, JobEvents(tracker, self.job.run_dir, progress), self.initial)
+        reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
+        reads = data.reads()
+        if reads is not None:
+            log.info("ingest: %s", reads)
+        tracker.log_ingest(reads=reads)
+        return result
+
+    def finish(self, data: preprocess.TrainingData, result: ray.train.Result) -> None:
+        """The checkpoints' models logged, the best registered (a sweep's: its best job's, when it ends), and a
+        run whose last validation is no better than a constant guess flagged: it still finishes."""
+        cfg, tracker = self.cfg, self.tracker
+        if tracker.epochs.last is None:
+            raise PipelineError("training finished without reporting an epoch.")
+        tracker.finish_models(
+            trainer.kept_checkpoints(result), None if self.job.sweep_dir else cfg.tracking.register_alias
+        )
+        kind, names = cfg.task.type, cfg.task.metrics
+        baseline = task.constant_baseline(kind, names, source.labels(self.splits["valid"]))
+        verdict = task.no_learning(kind, names, tracker.epochs.last, baseline)
+        if verdict is not None:
+            log.warning("%s", verdict)
+            tracker.flag_no_learning(verdict)
+
+    def evaluate(self) -> JobResult:
+        """With ``train.evaluate``, the best model scored on the held-out rows (``source.test``) in a run nested
+        under this one; then what the job hands back."""
+        cfg, tracker = self.cfg, self.tracker
+        if cfg.train.evaluate:
+            scoring = replace(cfg.predict, run=tracker.run_id)
+            evaluation = replace(cfg, stage="evaluate", predict=scoring, tracking=replace(cfg.tracking, run_name=None))
+            predict.run(evaluation, self.job)
+        last, metric = tracker.epochs.last, cfg.optimized_metric
+        log.info("finished: %s %.4f; %s", metric, last[metric], mlflow_store.run_link(tracker.uri, tracker.run_id))
+        return JobResult(tracker.run_id, {k: last[k] for k in tracker.epochs.metrics}, tracker.model_uri())
+
+
+def run(cfg: PipelineConfig, job: Job) -> JobResult:
+    """Run one training job from its typed config (:class:`TrainingJob`)."""
+    return TrainingJob(cfg, job).run()
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:

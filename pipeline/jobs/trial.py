@@ -1,11 +1,9 @@
 """One trial of a ``hparams_search=tune`` sweep: the pipeline's training job for one sampled point.
 
 Two halves, on two sides of Tune:
-- :func:`run_trial` runs in a Ray Tune trial actor (one per trial, on any node of the cluster). It builds the
-  job as a run builds its own (:mod:`pipeline.jobs.build`, ``preprocess.training_data``, ``run_storage``,
-  ``trainer.fit``) and writes nothing to MLflow: Ray Train's ``TuneReportCallback`` hands each epoch's
-  report to Tune. A trial's checkpoints live under its Tune trial id, so a trial that Tune restarts (a
-  resumed sweep) continues from its latest one.
+- :class:`TrialJob` runs in a Ray Tune trial actor (one per trial, on any node of the cluster): the training
+  job of :mod:`pipeline.jobs.train`, with the steps where a trial differs overridden. It writes nothing to
+  MLflow: Ray Train's ``TuneReportCallback`` hands each epoch's report to Tune.
 - :class:`TrialRecorder` runs in the sweep's driver (Tune calls it there) and records each trial with the
   same :class:`pipeline.tracking.tracker.Tracker` a run uses.
 """
@@ -15,19 +13,24 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import ray.train
 from omegaconf import DictConfig, OmegaConf
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from pipeline.common import console, workarounds
-from pipeline.common.errors import PipelineError
+from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, load
 from pipeline.data import preprocess
-from pipeline.jobs import build
-from pipeline.jobs.build import Job
+from pipeline.jobs import preflight
+from pipeline.jobs.job import Job, append_record, run_name
+from pipeline.jobs.train import TrainingJob
 from pipeline.runtime import filesystems
+from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.epochs import STOPPED_TAG
 from pipeline.tracking.tracker import Tracker
@@ -53,14 +56,42 @@ def trial_dir(sweep_dir: str, trial_id: str) -> str:
     return os.path.join(sweep_dir, trial_id)
 
 
-def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str) -> None:
-    """Tune's trainable: the trial's job built as a run builds its own (:mod:`pipeline.jobs.build`), then trained."""
-    cfg = trial_config(bases, params)
-    with preprocess.training_data(cfg, build.sources(cfg)) as data:
-        trial_id = tune.get_context().get_trial_id()
-        storage = filesystems.run_storage(cfg.storage, trial_dir(sweep_dir, trial_id), trial_id)
-        initial = build.start_weights(cfg)  # read where the trial runs: any node of the cluster
-        trainer.fit(cfg, data, storage, None, initial, callbacks=(TuneReportCallback(),))
+def run_trial(params: dict, bases: dict[str, DictConfig], sweep_dir: str, experiment: str) -> None:
+    """Tune's trainable, in a trial actor: the trial's training job (:class:`TrialJob`) for its sampled point."""
+    TrialJob(trial_config(bases, params), sweep_dir, experiment).run()
+
+
+class TrialJob(TrainingJob):
+    """A training job in a Tune trial actor (on any node of the cluster). Where it differs from a run's:
+
+    - check: the sweep's driver checked the config and Ray is up: the sources and start weights are read here;
+    - record, finish, evaluate: not here; Tune hands each report to :class:`TrialRecorder` on the driver;
+    - storage: under the trial's Tune id, so a trial Tune restarts (a resumed sweep) continues from its checkpoints;
+    - fit: the reports go to Tune (``TuneReportCallback``), not to a recorder.
+    """
+
+    def __init__(self, cfg: PipelineConfig, sweep_dir: str, experiment: str):
+        self.trial_id = tune.get_context().get_trial_id()
+        super().__init__(cfg, Job(trial_dir(sweep_dir, self.trial_id), experiment))
+
+    def check(self) -> None:
+        self.splits, self.initial = preflight.sources(self.cfg), preflight.start_weights(self.cfg)
+
+    @contextmanager
+    def record(self, data: preprocess.TrainingData) -> Iterator[None]:
+        yield
+
+    def storage(self) -> RunStorage:
+        return filesystems.run_storage(self.cfg.storage, self.job.run_dir, self.trial_id)
+
+    def fit(self, data: preprocess.TrainingData, storage: RunStorage) -> ray.train.Result:
+        return trainer.fit(self.cfg, data, storage, None, self.initial, callbacks=(TuneReportCallback(),))
+
+    def finish(self, data: preprocess.TrainingData, result: ray.train.Result) -> None:
+        """Nothing here: :meth:`TrialRecorder.on_trial_complete` logs the trial's models on the driver."""
+
+    def evaluate(self) -> None:
+        """Nothing here: a sweep evaluates none of its trials."""
 
 
 def error_text(trial) -> str:
@@ -119,7 +150,7 @@ class TrialRecorder(tune.Callback):
         """A new child run, named for its number in the sweep and its sampled values."""
         overrides = [*self.fixed, *trial_overrides(params)]
         parent = store.sweep_parent(self.sweep_dir)
-        name = build.run_name("trial", len(store.runs_where("mlflow.parentRunId", parent)), self.experiment, overrides)
+        name = run_name("trial", len(store.runs_where("mlflow.parentRunId", parent)), self.experiment, overrides)
         job = Job(
             trial_dir(self.sweep_dir, trial_id),
             self.experiment,
@@ -151,7 +182,7 @@ class TrialRecorder(tune.Callback):
         if "node_id" in result:
             tracker.record.tag("pipeline.node_id", result["node_id"])
         report = {k: v for k, v in result.items() if k != "config"}
-        build.append_record(trial_dir(self.sweep_dir, trial.trial_id), "metrics.jsonl", report)
+        append_record(trial_dir(self.sweep_dir, trial.trial_id), "metrics.jsonl", report)
         log.info(
             "trial %s: %s",
             trial.trial_id,
@@ -179,7 +210,7 @@ class TrialRecorder(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
         running = self.end_of(trial)
         if running is not None:
-            error = PipelineError(workarounds.root_cause(RuntimeError(error_text(trial))))
+            error = PipelineError(root_cause(RuntimeError(error_text(trial))))
             log.error("trial %s failed: %s", trial.trial_id, error)
             running.tracker.end("FAILED", error)
 

@@ -33,7 +33,7 @@ from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import lower_is_better
 from pipeline.config import ScalingConfig, experiment_choice, load
 from pipeline.data import source
-from pipeline.jobs import build, preflight
+from pipeline.jobs import preflight
 from pipeline.jobs.trial import GROUP_KEY, TrialRecorder, run_trial
 
 log = logging.getLogger("pipeline")
@@ -69,15 +69,14 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
         raise PipelineError("hparams_search=tune: nothing to sweep; give a sweep on the command line or in params.")
 
     resolved = {name: load(base) for name, base in bases.items()}
-    splits = {name: preflight.checked(cfg)[0] for name, cfg in resolved.items()}
+    splits = {name: preflight.check(cfg)[0] for name, cfg in resolved.items()}
     first = next(iter(resolved.values()))
     metric = first.optimized_metric
     experiment = experiment_choice(config.hydra.runtime.choices)
     scheduler = settings.scheduler._target_.rsplit(".", 1)[-1] if settings.scheduler else None
     recorder = TrialRecorder(bases, splits, sweep_dir, experiment, fixed, scheduler)
-    trainable = tune.with_resources(
-        tune.with_parameters(run_trial, bases=bases, sweep_dir=sweep_dir), {"CPU": TRIAL_ACTOR_CPU}
-    )
+    trial = tune.with_parameters(run_trial, bases=bases, sweep_dir=sweep_dir, experiment=experiment)
+    trainable = tune.with_resources(trial, {"CPU": TRIAL_ACTOR_CPU})
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a finished trial is in Tune's saved state at once
     path = os.path.join(sweep_dir, TUNE_DIR)
     described = {"arguments": list(arguments), "settings": OmegaConf.to_container(settings, resolve=True)}
@@ -89,7 +88,7 @@ def sweep(config: DictConfig, loader, arguments: list[str], settings: DictConfig
         os.makedirs(sweep_dir, exist_ok=True)
         with open(os.path.join(sweep_dir, SWEEP_FILE), "w") as out:
             yaml.safe_dump(described, out)
-        transform_cpus = build.transform_cpus(next(iter(splits.values())))
+        transform_cpus = preflight.transform_cpus(next(iter(splits.values())))
         concurrent = settings.max_concurrent_trials or concurrency(
             first.scaling, transform_cpus, ray.cluster_resources()
         )

@@ -30,7 +30,7 @@ from pipeline.common.errors import PipelineError, redact
 from pipeline.common.workarounds import global_tracking_uri, import_mlflow_pytorch
 from pipeline.config import PipelineConfig
 from pipeline.training import checkpoint
-from pipeline.training.checkpoint import feature_scaler
+from pipeline.training.scaling import feature_scaler
 
 log = logging.getLogger(__name__)
 mlflow_pytorch = import_mlflow_pytorch()

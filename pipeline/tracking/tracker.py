@@ -48,7 +48,7 @@ class Tracker:
 
     @classmethod
     def open(cls, cfg: PipelineConfig, job) -> Tracker:
-        """A training job's run (``job``: a :class:`pipeline.jobs.build.Job`): the one ``train.resume``
+        """A training job's run (``job``: a :class:`pipeline.jobs.job.Job`): the one ``train.resume``
         continues, or a new one (in a sweep, nested under the sweep's parent run)."""
         store = Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
         if cfg.train.resume:

@@ -1,7 +1,5 @@
-"""The checkpoint format, and how a model's inputs are prepared: what a training worker writes, and what
-logged models, fine-tuning and prediction read back. One module, so the writer and its readers cannot drift;
-it imports nothing of the pipeline but its errors and the config sections it reads (the AMP settings, the
-pixel normalization).
+"""The checkpoint format: what a training worker writes, and what logged models, fine-tuning and prediction
+read back. One module, so the writer and its readers cannot drift.
 
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
@@ -23,7 +21,6 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pipeline.common.errors import PipelineError
-from pipeline.config import NormalizeConfig, TrainConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
@@ -121,43 +118,3 @@ def is_checkpoint(state: dict) -> bool:
     """Whether ``state`` is a whole pipeline checkpoint (its model's state dict under ``model``) rather than
     a bare state dict, whose values are tensors."""
     return isinstance(state.get("model"), dict)
-
-
-def feature_scaler(normalize: NormalizeConfig | None, statistics: dict | None, device: torch.device):
-    """How features become the model's floats, on the device: uint8 pixels as ``normalize`` (``ingest.normalize``)
-    says, float features standardized with ``statistics`` (the training split's, with ``ingest.standardize``)
-    when given; anything else as it is."""
-    pixels = pixel_scaling(normalize, device) if normalize is not None else None
-    if statistics is not None:
-        mean = torch.tensor(statistics["mean"], dtype=torch.float32, device=device)
-        std = torch.tensor(statistics["std"], dtype=torch.float32, device=device)
-
-    def scale(features: torch.Tensor) -> torch.Tensor:
-        if features.dtype == torch.uint8 and pixels is not None:  # in place: one float copy, not three
-            return features.float().mul_(pixels[0]).add_(pixels[1])
-        if statistics is not None and features.is_floating_point():  # a missing value (source.on_missing: mean)
-            return torch.nan_to_num((features - mean) / std, nan=0.0)  # becomes the training mean
-        return features
-
-    return scale
-
-
-def pixel_scaling(normalize: NormalizeConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, shift)`` with ``x * scale + shift == (x / 255 - mean) / std``, shaped for (N, C, H, W)."""
-    mean = torch.tensor(normalize.mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    std = torch.tensor(normalize.std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    return 1.0 / (255.0 * std), -mean / std
-
-
-def amp_plan(device_type: str, train: TrainConfig) -> tuple[bool, torch.dtype, bool]:
-    """(autocast on?, its dtype, GradScaler on?): mixed precision only on CUDA and only when asked;
-    float16 needs loss scaling, bfloat16 does not."""
-    enabled = train.amp and device_type == "cuda"
-    dtype = getattr(torch, train.amp_dtype)
-    return enabled, dtype, enabled and dtype == torch.float16
-
-
-def autocast_settings(device: torch.device, train: TrainConfig) -> tuple[torch.autocast, torch.amp.GradScaler]:
-    """The autocast context and GradScaler that :func:`amp_plan` asks for."""
-    enabled, dtype, scale = amp_plan(device.type, train)
-    return torch.autocast(device.type, dtype=dtype, enabled=enabled), torch.amp.GradScaler(device.type, enabled=scale)

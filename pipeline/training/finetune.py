@@ -1,7 +1,7 @@
 """Where training starts and what of the model trains (the ``finetune`` section).
 
 On the driver, before Ray starts, :func:`initial_weights` reads ``finetune.weights`` (a torchvision
-weight name, a file, or an MLflow model that :func:`pipeline.jobs.build.start_weights` downloads) as tensors
+weight name, a file, or an MLflow model that :func:`pipeline.jobs.preflight.start_weights` downloads) as tensors
 only, and matches it to the configured model: every parameter must fit, except the head's, which start
 fresh where their shape differs (another class count). A mismatch fails there, naming the parameter. In
 each training worker, :func:`build_model` loads what was matched and freezes ``finetune.freeze``, and

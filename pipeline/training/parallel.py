@@ -1,12 +1,12 @@
 """How one model is spread over a worker group, and how a sharded model's state is saved and restored.
 
-In each worker, :func:`parallelize` applies the GPU levers in torchtitan's order: activation checkpointing
-on the model's blocks, then ``torch.compile`` per block, in place (``Module.compile``: the state dict's keys stay
-the plain module's, without ``_orig_mod.``), then DDP (a whole replica per worker) or FSDP2 (``fully_shard`` per
-block, then the root: each worker holds 1/N of the parameters, gradients and optimizer state). An FSDP model is
-built on the meta device and sharded there; each worker then materializes only its shards, copied from the
-starting weights the driver built once (:func:`pipeline.training.finetune.whole_start`): no worker ever holds
-the whole model.
+In each worker, :func:`parallelize` applies the GPU levers in this order: activation checkpointing on the model's
+blocks (their forward wrapped, so compile traces the recomputed region), ``torch.compile`` per block, in place
+(``Module.compile``: the state dict's keys stay the plain module's, without ``_orig_mod.``), then DDP (a whole
+replica per worker) or FSDP2 (``fully_shard`` per block, then the root: each worker holds 1/N of the parameters,
+gradients and optimizer state), so FSDP's hooks stay outside the compiled blocks. An FSDP model is built on the
+meta device and sharded there; each worker then materializes only its shards, copied from the starting weights the
+driver built once (:func:`pipeline.training.finetune.whole_start`): no worker ever holds the whole model.
 
 A sharded model's checkpoint is ``torch.distributed.checkpoint`` (DCP) directories, ``model/`` and
 ``optimizer/``, each rank writing its own shards; DCP reads them back on any worker count.
@@ -33,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig, Strategy, TrainConfig
-from pipeline.training.checkpoint import SHARDED_DIRS, amp_plan
+from pipeline.training.checkpoint import SHARDED_DIRS
+from pipeline.training.precision import amp_plan
 
 # train.blocks when null: torchvision's ViT (EncoderBlock), ResNet (BasicBlock, Bottleneck) and MLP (its Linear
 # layers); the outermost ones count, so a ViT's Linear layers stay inside their EncoderBlock's unit
@@ -213,7 +214,7 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
     set_state_dict(model, optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
 
 
-def gathered(value) -> list:
+def from_every_rank(value) -> list:
     """``value`` from every rank, in rank order (``[value]`` outside a process group)."""
     if world_size() == 1:
         return [value]

@@ -1,11 +1,16 @@
-"""Runs on the driver: the TorchTrainer built from the config, and ``fit()`` run to the end.
+"""Runs on the driver: the TorchTrainer built from the config, ``fit()`` run to the end off the main thread,
+a failure explained by its causes, and the checkpoints Ray Train kept.
 
 The workers run :func:`pipeline.training.worker.train_loop_per_worker`; while ``fit()`` runs, their events
-reach the driver through :mod:`pipeline.training.relay`. Ray's own quirks are handled in
-:mod:`pipeline.common.workarounds`.
+reach the driver through :mod:`pipeline.training.relay`. Canaries of the Ray behaviour this module works
+around: ``tests/test_ray_canaries.py``.
 """
 
 from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
 
 import ray
 import ray.data
@@ -14,8 +19,9 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
 
+from pipeline.common import signals
+from pipeline.common.errors import PipelineError, root_cause
 from pipeline.common.metrics import lower_is_better
-from pipeline.common.workarounds import explain, fit_off_main_thread
 from pipeline.config import PipelineConfig, ScalingConfig, Strategy, TaskConfig, TrainConfig
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.filesystems import RunStorage
@@ -139,3 +145,63 @@ def fit(
                 raise explain(err) from err
     finally:
         ray.kill(events.actor)
+
+
+def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
+    """``trainer.fit()`` in a helper thread, waited on from this one.
+
+    Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
+    installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
+    dataset split coordinators) alive after the run, so a sweep piles them up. Off the main thread it
+    installs none: Ctrl-C and SIGTERM reach the pipeline as KeyboardInterrupt / SystemExit, the run
+    is recorded as KILLED, and leaving the process takes the run's actors with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # re-raised on the calling thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # a bounded wait lets signals through
+            signals.raise_requested()
+    except BaseException:
+        # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
+        # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
+        # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
+        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
+        atexit.register(ray.shutdown)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def explain(err: ray.train.TrainingFailedError) -> PipelineError:
+    """One line per distinct cause, instead of Ray's truncated multi-rank traceback snippet."""
+    if isinstance(err, ray.train.WorkerGroupError):
+        causes = sorted({root_cause(e) for e in err.worker_failures.values()})
+        where = f"on rank(s) {sorted(err.worker_failures)}"
+    else:  # ControllerError: the controller itself failed (storage, a callback, scheduling)
+        causes, where = [root_cause(getattr(err, "controller_failure", err))], "in Ray Train's controller"
+    return PipelineError(
+        f"training failed {where}: {'; '.join(causes)} "
+        "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
+    )
+
+
+def kept_checkpoints(result: ray.train.Result) -> set[str]:
+    """The paths of every checkpoint Ray Train keeps on storage at the end of a run.
+
+    Ray 2.60: with ``num_to_keep``, Ray Train keeps the best ``num_to_keep`` checkpoints and, always, the
+    latest; ``Result.best_checkpoints`` lists only the former, so a latest checkpoint that is not among the
+    best is on storage but in no list but ``Result.checkpoint``."""
+    kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints or []}
+    if result.checkpoint is not None:
+        kept.add(result.checkpoint.path)
+    return kept

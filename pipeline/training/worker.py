@@ -33,10 +33,11 @@ from pipeline.common.metrics import LOSSES
 from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, Strategy, TaskType
 from pipeline.data.source import Layout
 from pipeline.training import checkpoint, finetune, parallel
-from pipeline.training.checkpoint import autocast_settings, feature_scaler
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.training.finetune import Initial
+from pipeline.training.precision import autocast_settings
+from pipeline.training.scaling import feature_scaler
 from pipeline.training.task import Task
 from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
 
@@ -357,7 +358,8 @@ def report(metrics: dict, replica: Replica, epoch: int, stopper: EarlyStopping |
     in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`)."""
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     replica.save(directory, epoch, stopper, rank)
-    written = {name: size for files in parallel.gathered(checkpoint.files(directory)) for name, size in files.items()}
+    every_rank = parallel.from_every_rank(checkpoint.files(directory))
+    written = {name: size for files in every_rank for name, size in files.items()}
     if rank == 0:
         checkpoint.write_report(directory, metrics, written)
     saved = None
@@ -403,7 +405,7 @@ def torch_batches(
     """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
     Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
     validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
-    store and to a GPU): the replica scales them (:func:`pipeline.training.checkpoint.feature_scaler`)."""
+    store and to a GPU): the replica scales them (:func:`pipeline.training.scaling.feature_scaler`)."""
     ingest = cfg.ingest
     return shard.iter_torch_batches(
         batch_size=ingest.batch_size // world_size,
@@ -424,7 +426,7 @@ def weights_digest(model: torch.nn.Module) -> str:
         digest.update(parallel.local(param.detach()).cpu().contiguous().numpy().tobytes())
     if not parallel.is_sharded(model):
         return digest.hexdigest()
-    return hashlib.sha256("".join(parallel.gathered(digest.hexdigest())).encode()).hexdigest()
+    return hashlib.sha256("".join(parallel.from_every_rank(digest.hexdigest())).encode()).hexdigest()
 
 
 def where_this_runs(rank: int) -> dict:
