@@ -1,4 +1,4 @@
-"""Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP) -> MLflow.
+"""Declarative experiment pipeline: Hydra configs -> Ray Data -> Ray Train (DDP or FSDP2) -> MLflow.
 
 From Python: ``pipeline.train("cifar_vit_cpu", overrides=["optim.lr=1e-3"])`` (:func:`pipeline.api.train`).
 """
