@@ -234,8 +234,7 @@ def test_a_sharded_checkpoint_is_refused_where_a_user_names_weights(tmp_path):
 
 
 @pytest.mark.slow  # compiling takes 20-40 s a model on 2 cores
-@pytest.mark.parametrize("model", [VIT, MLP], ids=["vit", "mlp"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("model", "strategy"), [(VIT, "fsdp"), (MLP, "ddp")], ids=["vit-fsdp", "mlp-ddp"])
 def test_a_compiled_model_trains_and_its_checkpoint_has_the_plain_keys(tmp_path, model, strategy):
     """The blocks run under torch.compile (their forwards were traced); the state dict keeps the plain keys."""
     cfg = compose_cfg(
