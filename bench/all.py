@@ -56,8 +56,9 @@ def taken(reports: list[dict]) -> str:
         machine, versions = report["machine"], report["versions"]
         changed = report["uncommitted_changes"]
         dirty = f" with uncommitted changes to {', '.join(changed)}" if changed else ""
+        by = f"`{report['command']}` on " if "command" in report else ""  # a bench run apart from bench/all.py
         setups.add(
-            f"{machine['cpus']} cores, {machine['memory_gib']} GiB, {machine['gpu'] or 'no GPU'}; commit "
+            f"{by}{machine['cpus']} cores, {machine['memory_gib']} GiB, {machine['gpu'] or 'no GPU'}; commit "
             f"{report['commit']}{dirty}; ray {versions['ray']}, torch {versions['torch']}"
         )
     return f"{first if first == last else f'{first} to {last}'}; {'; '.join(sorted(setups))}"

@@ -10,6 +10,7 @@ worker per core, persistent, pinned memory, uint8 batches normalized on the devi
 Each side is a command of its own, timed from its start to its last validation as well as per epoch.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=/path/to/data python bench/gpu.py [--epochs 3] [--seeds 3]
+        [--only "cifar_vit bfloat16" ...]
 
 Prints a table and writes outputs/bench/gpu.json; each command's console goes to outputs/bench/gpu-<name>.log.
 """
@@ -20,6 +21,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import torch
 from report import OUT_DIR, comparison, comparisons_table, data_dir, describe, pipeline_run, plain_run, write
 
 from pipeline.api import compose
@@ -39,12 +41,15 @@ RUNS = {
 }
 
 
-def main(epochs: int, seeds: int) -> None:
+def main(epochs: int, seeds: int, only: list[str]) -> None:
     data_dir()
+    card = torch.cuda.get_device_name(0).removeprefix("NVIDIA ")  # the rows say which GPU
     settings = [f"train.epochs={epochs}", "tracking.log_model=false"]  # export is after training: not timed here
     figures, rows = {}, []
     with tempfile.TemporaryDirectory() as workdir:
         for name, (overrides, baselines) in RUNS.items():
+            if only and name not in only:
+                continue
             source.prepare(compose(overrides).source)  # the photos are written once, outside any timed run
             ours, theirs = [], {baseline: [] for baseline in baselines}
             for seed in range(seeds if baselines else 1):
@@ -56,14 +61,15 @@ def main(epochs: int, seeds: int) -> None:
                     theirs[data, transforms].append(plain_run(data, transforms, args, "cuda", log))
             figures[name] = {"pipeline": ours, **{"/".join(baseline): runs for baseline, runs in theirs.items()}}
             for baseline, runs in theirs.items():
-                rows.append(comparison(name, *describe(baseline, cached=True), ours, runs))
+                rows.append(comparison(f"{card}: {name}", *describe(baseline, cached=True), ours, runs))
+            write("gpu", figures, rows)  # after each configuration: a run cut short keeps what it measured
     print(comparisons_table(rows))
-    write("gpu", figures, rows)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="The GPU rows: pipeline against the strong plain loop.")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3, help="runs of each compared configuration")
+    parser.add_argument("--only", action="append", default=[], choices=list(RUNS), help="these configurations only")
     arguments = parser.parse_args()
-    main(arguments.epochs, arguments.seeds)
+    main(arguments.epochs, arguments.seeds, arguments.only)

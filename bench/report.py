@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,13 +38,14 @@ def machine() -> dict:
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.rstrip("\n")  # status's leading space
 
 
 def write(name: str, figures: dict, rows: list[dict] | None = None) -> Path:
     """Write ``outputs/bench/<name>.json`` (the figures, the comparisons ``rows`` that docs/figures.md shows, the
-    date, machine, versions and commit, and the tracked files with uncommitted changes) and return its path."""
+    command, date, machine, versions and commit, and the tracked files with uncommitted changes); return its path."""
     report = {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "figures": figures,
         "rows": rows or [],
         "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -133,6 +135,8 @@ def command(args: list[str], log: Path | None = None, env: dict | None = None) -
     """Run ``args`` as a command (its console to ``log`` when given); its wall-clock start, its seconds to exit and
     the console's last line. A failure raises with the console's tail."""
     launched, start = time.time(), time.perf_counter()
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no outputs/bench yet
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as console:
         done = subprocess.run(args, stdout=console, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         console.seek(0)
