@@ -56,9 +56,13 @@ def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
-        traced = []  # whether each block's forward ran while torch.compile traced it
-        for block in parallel.blocks(replica.module, cfg.train.blocks):
-            block.register_forward_pre_hook(lambda *_: traced.append(torch.compiler.is_compiling()))
+        traced = []  # whether each block's first layer ran while torch.compile traced the block
+        plain = instantiate(cfg.model)  # the blocks' names (FSDP renames their classes)
+        found = parallel.blocks(plain, cfg.train.blocks)
+        for name in [n for n, m in plain.named_modules() if any(m is b for b in found)]:
+            block = replica.module.get_submodule(name)
+            first = next(block.children(), block)  # FSDP's own hooks on the block run outside the trace
+            first.register_forward_pre_hook(lambda *_: traced.append(torch.compiler.is_compiling()))
         restored = None
         if restore is not None:
             replica.restore(ray.train.Checkpoint.from_directory(restore), CPU)

@@ -90,13 +90,13 @@ def test_a_replica_predicts_what_the_model_does_on_normalized_pixels(ray_runtime
     model = instantiate(cfg.model, _convert_="all").eval()
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
     predictor = Predictor(
-        cfg.model,
-        cfg.task,
-        [ray.put(model.state_dict())],
-        cfg.ingest.normalize,
-        None,
-        "image",
-        "label",
+        model_cfg=cfg.model,
+        task_cfg=cfg.task,
+        weights=[ray.put(model.state_dict())],
+        normalize=cfg.ingest.normalize,
+        statistics=None,
+        feature="image",
+        label="label",
         use_gpu=False,
         train_cfg=cfg.train,
     )
