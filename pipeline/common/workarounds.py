@@ -78,23 +78,12 @@ def import_mlflow_pytorch():
 
 
 def local_runtime_settings(num_cpus: int) -> None:
-    """Environment for a local runtime of ``num_cpus`` logical CPUs, set before ``ray.init`` so every Ray
-    process inherits it.
-
-    Ray 2.60: Ray Train's controller starts a preemption watcher (another process, several seconds
-    on 2 cores) unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``; nothing preempts a local runtime.
-    Its control loop polls the workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default), so
-    it notices the end of training up to that late; on one machine a poll is a local call, and 0.5 s
-    ends every run (each Tune trial) about 1.5 s sooner.
-
-    The raylet starts at most min(cores, num_cpus) worker processes at once and warns ("N PYTHON worker
-    processes have been started ... 4x the maximum expected startup concurrency") once more than 4 times
-    that many run beside its 8 I/O workers' allowance. A run needs 10 actors (8 of Ray Train's and Ray
-    Data's, the data coordinator and the event queue) and the task processes of its logical CPUs: the quick
-    start runs up to 18 at once on 2 cores, past the 16 that warn. The local runtime declares more logical
-    CPUs than cores on purpose (``cluster.local_cpus``), so the limit is sized to them, as Ray sizes it on a
-    machine with that many cores (``RAY_worker_maximum_startup_concurrency``); the same processes start.
-    Canary: ``tests/test_ray_canaries.py``."""
+    """Environment for a local runtime of ``num_cpus`` logical CPUs, set before ``ray.init`` so every Ray process
+    inherits it (Ray 2.60): no preemption watcher (a process of its own; nothing preempts one machine); the
+    controller's health check every 0.5 s, not 2 s (each run, each Tune trial, ends up to 1.5 s sooner); and the
+    raylet's worker-start limit sized to the logical CPUs, which the local runtime declares above the cores on
+    purpose (``cluster.local_cpus``), as Ray sizes it on a machine with that many cores: without it, a run's 10
+    actors and its tasks' processes pass 4x the limit and Ray warns. Canary: ``tests/test_ray_canaries.py``."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus))

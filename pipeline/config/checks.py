@@ -1,4 +1,5 @@
-"""Every check of the user's config, on the driver before Ray starts, in the order a command meets them.
+"""The checks of the config itself, on the driver before Ray starts, in the order a command meets them (the data's,
+the model's and the storage's come after: :mod:`pipeline.jobs.preflight` lists them all).
 
 1. The command line, before Hydra composes (:func:`check_overrides`): the mistakes Hydra would report as
    a traceback or a bare "not in struct" (a group set to null, an unknown group option or key, a value of
