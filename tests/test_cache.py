@@ -85,7 +85,7 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
     stored = [(image.tobytes(), label) for image, label in zip(pixels, table["label"].to_pylist())]
     assert cached == stored and sorted(streamed) == sorted(stored)
-    built = cache.built()
+    built = cache.figures()
     assert built["rows"] == 96 and 96 * 3072 <= built["bytes"] < 96 * 3300 and built["seconds"] > 0
 
 

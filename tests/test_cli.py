@@ -43,7 +43,7 @@ def test_override_mistakes_name_the_key_and_the_closest_valid_names(args, messag
         ["+transforms.train.decode.resources.cpu_node=1", "tracking.run_name=123"],
     ],
 )
-def test_valid_overrides_pass(args):
+def test_valid_overrides_raise_no_error(args):
     check_overrides(["+experiment=smoke", *args])
 
 
@@ -72,7 +72,7 @@ def test_a_parts_arguments_are_checked_against_its_signature_and_annotations(nod
     assert message in str(error.value)
 
 
-def test_well_typed_arguments_pass():
+def test_well_typed_arguments_raise_no_error():
     check_target(
         {"_target_": "torch.optim.AdamW", "lr": 1, "betas": [0.9, 0.99], "weight_decay": 0.0}, "o", ("params",)
     )

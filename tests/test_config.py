@@ -331,7 +331,7 @@ def wanted(overrides: list[str]) -> Runtime:
     return runtime(cfg.ray, cfg.scaling)
 
 
-def test_resources_that_fit_pass():
+def test_resources_that_fit_raise_no_error():
     check_resources({"CPU": 2.0}, wanted(["scaling=cpu"]), transform_cpus=1)
     check_resources({"CPU": 8.0, "GPU": 2.0}, wanted(["scaling=gpu", "scaling.num_workers=2"]), 1)
 

@@ -53,7 +53,7 @@ class Cache:
     seed: int | None
     started: float  # time.perf_counter() when the tasks were submitted
 
-    def built(self) -> dict:
+    def figures(self) -> dict:
         """Rows, bytes and seconds from submission, once every piece exists (blocks until then; raises
         what a build task raised)."""
         sizes = [size for group in ray.get(self.sizes) for size in group]

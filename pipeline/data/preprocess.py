@@ -120,7 +120,7 @@ class CachePlan:
 
     def summary(self, built: dict[str, dict] | None = None) -> str:
         """One line for the console and the run's ``pipeline.cache`` tag; ``built``: what each cached split
-        holds once built (rows, bytes, seconds: :meth:`pipeline.data.cache.Cache.built`)."""
+        holds once built (rows, bytes, seconds: :meth:`pipeline.data.cache.Cache.figures`)."""
         share = f"{self.estimate_bytes / 2**20:,.0f} MiB estimated, {self.capacity_bytes / 2**20:,.0f} MiB allowed"
         if not self.on and not self.row_bytes:
             return "not cached (ingest.cache=false): every step runs every epoch"

@@ -66,7 +66,7 @@ class Steps:
 
     def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
         if self.fns is None:
-            self.fns = [built(spec) for spec in self.specs.values()]
+            self.fns = [step_callable(spec) for spec in self.specs.values()]
         for fn, kwargs in self.first:
             batch = fn(batch, **kwargs)
         for fn, takes in self.fns:
@@ -77,7 +77,7 @@ class Steps:
 _instances: dict[str, Any] = {}  # a process's class steps, built once (a gathering task's process runs many)
 
 
-def built(spec: TransformSpec) -> tuple[Any, bool]:
+def step_callable(spec: TransformSpec) -> tuple[Any, bool]:
     """A step's callable (a class step's instance, one per process) and whether it takes an ``epoch``."""
     fn = instantiate(spec.fn, _partial_=True, _convert_="all")
     if is_class(spec):

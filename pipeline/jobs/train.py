@@ -9,7 +9,11 @@
     finish    the models logged and the best registered; a run that learned nothing flagged
     evaluate  with train.evaluate, the best model on the held-out rows                  (predict)
 
-A Tune trial is the same job: :class:`pipeline.jobs.trial.TrialJob` overrides the steps where it differs.
+A Tune trial is the same job (:class:`pipeline.jobs.trial.TrialJob`, in Tune's trial actor), overriding these
+steps: check reads only the sources and start weights (the sweep's driver checked the rest and Ray is up);
+record, finish and evaluate are the driver's (TrialRecorder); storage is under the trial's Tune id; fit reports
+to Tune.
+
 Every check that can fail on the user's input runs before the MLflow run is created: a single run that fails
 them leaves nothing in MLflow; a sweep's job records them as a FAILED child run, so the sweep shows every job.
 """
@@ -161,7 +165,7 @@ def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.T
 
     def wait_and_report() -> None:
         try:
-            built = {name: cache.built() for name, cache in data.caches.items()}
+            built = {name: cache.figures() for name, cache in data.caches.items()}
         except RayError:
             return
         summary = data.plan.summary(built)
