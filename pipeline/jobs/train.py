@@ -32,7 +32,7 @@ from ray.exceptions import RayError
 
 from pipeline.common import console
 from pipeline.common.errors import PipelineError, redact
-from pipeline.config import PipelineConfig
+from pipeline.config import PipelineConfig, Stage
 from pipeline.data import preprocess, source
 from pipeline.jobs import predict, preflight
 from pipeline.jobs.job import Job, JobResult, append_record
@@ -145,9 +145,8 @@ class TrainingJob:
         under this one; then what the job hands back."""
         cfg, tracker = self.cfg, self.tracker
         if cfg.train.evaluate:
-            scoring = replace(cfg.predict, run=tracker.run_id)
-            evaluation = replace(cfg, stage="evaluate", predict=scoring, tracking=replace(cfg.tracking, run_name=None))
-            predict.run(evaluation, self.job)
+            scoring, tracking = replace(cfg.predict, run=tracker.run_id), replace(cfg.tracking, run_name=None)
+            predict.run(replace(cfg, stage=Stage.evaluate, predict=scoring, tracking=tracking), self.job)
         last, metric = tracker.epochs.last, cfg.optimized_metric
         log.info("finished: %s %.4f; %s", metric, last[metric], mlflow_store.run_link(tracker.uri, tracker.run_id))
         return JobResult(tracker.run_id, {k: last[k] for k in tracker.epochs.metrics}, tracker.model_uri())
