@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
-from conftest import compose_cfg, free_port, in_process
+from conftest import compose_cfg, in_process
 from hydra.utils import instantiate
 from mlflow import MlflowClient
 from test_fault_tolerance import assert_each_epoch_once, wait_for_epochs
@@ -47,13 +47,18 @@ def batch(cfg, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 13, generator=generator), torch.randint(0, 3, (8,), generator=generator)
 
 
-def train_and_save(rank: int, world: int, port: int, cfg, out: str, restore: str | None, start) -> None:
+def join_group(rank: int, world: int, out: str) -> None:
+    """This process into a gloo group of ``world``, met through a file in ``out``: no port to collide with another
+    test's (a free port picked first can be taken before the group listens on it)."""
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'group')}", rank=rank, world_size=world)
+
+
+def train_and_save(rank: int, world: int, cfg, out: str, restore: str | None, start) -> None:
     """In a process of a gloo group of ``world``: the worker's Replica (from ``start``, the driver's whole starting
     weights, with FSDP), restored from ``restore`` when given, two optimizer steps on this rank's batches (two
     accumulated per step, gradients clipped when the config says), then its checkpoint (``out/rank<R>``), and
     rank 0's figures (``out/result.pt``)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, out)
     try:
         replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
         traced = []  # whether each block's first layer ran while torch.compile traced the block
@@ -104,7 +109,7 @@ def spawn(cfg, world: int, out: Path, restore: Path | None = None) -> dict:
     start = None  # what the driver hands FSDP's workers (trainer.build_trainer)
     if cfg.scaling.strategy == "fsdp":
         start = finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed)
-    args = (world, free_port(), cfg, str(out), restore and str(restore), start)
+    args = (world, cfg, str(out), restore and str(restore), start)
     mp.spawn(train_and_save, args=args, nprocs=world)
     return torch.load(out / "result.pt", weights_only=True)
 
@@ -134,14 +139,13 @@ class AnonymousPeak(threading.Thread):
         return max(self.peak, self.now()) - self.before
 
 
-def growth(rank: int, world: int, port: int, cfg, start_dir: str | None, out: str) -> None:
+def growth(rank: int, world: int, cfg, start_dir: str | None, out: str) -> None:
     """In a process of a gloo group of ``world``: how far the process's own memory peaked above where it was while it
     built its Replica (FSDP: its shards of the weights in ``start_dir``, memory-mapped as Ray's object store hands them
     to a worker), and through one optimizer step (the gradients and AdamW's moments); into ``out/rank<R>.json``."""
     import numpy as np
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, out)
     try:
         start = None
         if start_dir is not None:
@@ -183,7 +187,7 @@ def test_fsdp_workers_never_hold_the_whole_model_and_peak_at_half_a_ddp_workers_
         out = tmp_path / strategy
         out.mkdir()
         strategy_cfg = replace(cfg, scaling=replace(cfg.scaling, strategy=strategy))
-        mp.spawn(growth, args=(2, free_port(), strategy_cfg, weights, str(out)), nprocs=2)
+        mp.spawn(growth, args=(2, strategy_cfg, weights, str(out)), nprocs=2)
         figures[strategy] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for fsdp, ddp in zip(figures["fsdp"], figures["ddp"]):
         assert fsdp["built"] < 0.75 * whole < ddp["built"], figures  # never the whole model on an FSDP rank
