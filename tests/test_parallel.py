@@ -31,7 +31,8 @@ from test_pipeline import no_runs_logged, run_cli
 from pipeline.common.errors import PipelineError
 from pipeline.config import validate
 from pipeline.training import checkpoint, finetune, parallel, scaling
-from pipeline.training.worker import Replica, weights_digest
+from pipeline.training.replica import Replica
+from pipeline.training.worker import weights_digest
 
 TINY = ["model.num_layers=2", "model.hidden_dim=32", "model.mlp_dim=64"]
 VIT = ["+experiment=smoke", *TINY]

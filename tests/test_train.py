@@ -16,8 +16,9 @@ from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingCon
 from pipeline.data.source import Layout
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.precision import autocast_settings
+from pipeline.training.replica import Replica
 from pipeline.training.task import Task
-from pipeline.training.worker import Replica, prefetched, train_epoch, validate
+from pipeline.training.worker import prefetched, train_epoch, validate
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 

@@ -1,0 +1,171 @@
+"""One worker's model and what steps with it (runs in every Ray Train worker): the DDP replica or FSDP shard, its
+optimizer, schedule, loss scaling and autocast, the input scaling, one optimizer step, and its checkpoint's save
+and restore. The loop that drives it is :mod:`pipeline.training.worker`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray.train
+import torch
+from hydra.utils import instantiate
+
+from pipeline.common.errors import PipelineError
+from pipeline.config import OnNonfinite, PipelineConfig, Strategy
+from pipeline.data.source import Layout
+from pipeline.training import checkpoint, finetune, parallel
+from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.finetune import Initial
+from pipeline.training.precision import autocast_settings
+from pipeline.training.scaling import feature_scaler
+from pipeline.training.task import Task
+
+
+@dataclass(kw_only=True)
+class Replica:
+    """One worker's model (a DDP replica or an FSDP shard, :func:`pipeline.training.parallel.parallelize`) and
+    everything that steps with it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # a torch LR scheduler stepped per batch, or None
+    scaler: torch.amp.GradScaler
+    autocast: torch.autocast
+    task: Task  # the loss and metrics
+    statistics: dict | None  # the features' mean and std, with ``ingest.standardize``
+    scale: Callable[[torch.Tensor], torch.Tensor]  # features as the transforms wrote them -> the model's floats
+    layout: Layout  # which column of a batch is the model's input, which its label
+    grad_clip: float | None  # train.grad_clip
+    on_nonfinite: OnNonfinite  # train.on_nonfinite: raise or skip
+    example: torch.Tensor | None = None  # two training rows' features, unscaled: the logged models' input example
+
+    @classmethod
+    def build(
+        cls,
+        cfg: PipelineConfig,
+        device: torch.device,
+        total_steps: int,
+        statistics: dict | None,
+        initial: Initial | None = None,
+    ) -> Replica:
+        """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
+        with ``train.seed`` (every rank alike). With FSDP the model is built on the meta device and ``initial``
+        holds every tensor it starts from (:func:`pipeline.training.finetune.whole_start`): each rank takes its
+        shards of them."""
+        torch.manual_seed(cfg.train.seed)
+        if cfg.scaling.strategy == Strategy.fsdp:
+            with torch.device("meta"):  # the structure only: no rank ever holds the whole model
+                bare = finetune.build_model(cfg.model, cfg.finetune, None)
+            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device, start=initial.state)
+        else:
+            bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
+            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device)
+        torch.manual_seed(cfg.train.seed + 1)  # training's own draws (dropout): alike whether weights were drawn here
+        optimizer = instantiate(cfg.optim, _partial_=True, _convert_="all")(finetune.param_groups(bare, cfg.finetune))
+        for group in optimizer.param_groups:  # the backbone at finetune.backbone_lr_scale of the head's rate
+            group["lr"] *= group["lr_scale"]
+        scheduler = None
+        if cfg.scheduler is not None:
+            schedule = instantiate(cfg.scheduler, _partial_=True, _convert_="all")
+            scheduler = schedule(
+                optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg.scheduler, optimizer)
+            )
+        autocast, scaler = autocast_settings(device, cfg.train)
+        if cfg.scaling.strategy == Strategy.fsdp:  # FSDP's mixed-precision policy casts instead
+            autocast = torch.autocast(device.type, enabled=False)
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            autocast=autocast,
+            task=Task(cfg.task),
+            statistics=statistics,
+            scale=feature_scaler(cfg.ingest.normalize, statistics, device),
+            layout=Layout.of(cfg.source),
+            grad_clip=cfg.train.grad_clip,
+            on_nonfinite=cfg.train.on_nonfinite,
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without DDP's wrapper (FSDP's is the model itself): for validation and the weights' digest."""
+        model = self.model
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    def backward(self, loss: torch.Tensor, accumulate: int, update: bool) -> None:
+        """Add this batch's share of the gradients, which are synchronized over the workers only on the batch
+        before an optimizer step (:func:`pipeline.training.parallel.gradient_sync`)."""
+        with parallel.gradient_sync(self.model, update):
+            self.scaler.scale(loss / accumulate).backward()
+
+    def step(self) -> bool:
+        """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``. With
+        ``train.on_nonfinite=skip``, a NaN or inf gradient (after DDP's all-reduce: the same on every rank)
+        is not stepped on (False): that decision costs a device sync per step, so only skip mode makes it;
+        raise mode checks the losses once an epoch (:func:`train_epoch`)."""
+        self.scaler.unscale_(self.optimizer)  # the true gradients (a no-op without float16's GradScaler)
+        skipping = (
+            self.on_nonfinite == OnNonfinite.skip and not self.scaler.is_enabled()
+        )  # the GradScaler skips overflows
+        norm = None
+        if self.grad_clip is not None or skipping:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
+        taken = not skipping or bool(torch.isfinite(parallel.full(norm)))
+        if taken:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return taken
+
+    def save(self, directory: str, epoch: int, stopper: EarlyStopping | None, rank: int) -> None:
+        """This epoch's checkpoint into ``directory``: a sharded model's and optimizer's shards from every rank,
+        a replica's whole from rank 0, and rank 0's ``checkpoint.pt`` with the rest."""
+        sharded = parallel.is_sharded(self.model)
+        if sharded:
+            parallel.save_shards(self.model, self.optimizer, directory)
+        if rank != 0:
+            return
+        state = {
+            "scaler": self.scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "epoch": epoch,
+            "feature_statistics": self.statistics,  # predict standardizes features with these
+            "classes": self.layout.classes,  # the class names, index order, where labels are names
+            "input_example": self.example,
+        }
+        if sharded:
+            state[checkpoint.SHARDED_KEY] = list(checkpoint.SHARDED_DIRS)
+        else:
+            state |= {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if stopper is not None:
+            state["early_stop"] = stopper.state_dict()
+        checkpoint.write_state(state, directory)
+
+    def restore(self, saved: ray.train.Checkpoint, device: torch.device) -> dict:
+        """Continue from ``saved`` (written on any number of workers); its state besides the model's."""
+        with saved.as_directory() as path:
+            state = checkpoint.load(path, "the restored checkpoint", device, sharded=True)
+            sharded = checkpoint.SHARDED_KEY in state
+            if sharded != parallel.is_sharded(self.model):
+                raise PipelineError(
+                    f"the checkpoint at {saved.path} was written with scaling.strategy={'fsdp' if sharded else 'ddp'}: "
+                    "resume the run with the strategy it was trained with."
+                )
+            if sharded:
+                parallel.load_shards(self.model, self.optimizer, path)
+            else:
+                self.module.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        return state
