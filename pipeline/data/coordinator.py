@@ -29,6 +29,7 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.epoch = 0
+        self.trained: ray.ObjectRef | None = None  # the rows of the epoch trained on before a stop (resumed)
         self.plans: dict[str, Plan] = {}
         # (split, epoch * windows + window) -> the number of its read, and its (pieces, sizes) once read
         self.held: dict[tuple[str, int], tuple[int, asyncio.Future]] = {}
@@ -38,13 +39,20 @@ class Coordinator:
         self.readers: dict[str, list] = {}  # a placement (repr) -> the readers on its nodes
         self.read_bytes: Counter[str] = Counter()  # node id -> bytes read there
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, trained: np.ndarray | None = None) -> None:
         """The training workers, before each pass: Ray Data's split coordinator starts a pass only once every
-        worker has asked for it, so no task of the pass reads an older value."""
+        worker has asked for it, so no task of the pass reads an older value. ``trained``: a resumed epoch's rows
+        trained on before the stop (:mod:`pipeline.training.ledger`'s packed bits), which its pass leaves out."""
+        if trained is not None or epoch != self.epoch:
+            self.trained = None if trained is None else ray.put(trained)
         self.epoch = epoch
 
     def get_epoch(self) -> int:
         return self.epoch
+
+    def position(self) -> tuple[int, ray.ObjectRef | None]:
+        """The epoch, and the rows of it already trained on (a ref to their packed bits; None: none)."""
+        return self.epoch, self.trained
 
     def reads(self) -> dict[str, int]:
         """Bytes read so far, per node id."""

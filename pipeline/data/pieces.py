@@ -165,20 +165,42 @@ def task_share(task: int, tasks: int, windows: int) -> tuple[int, int, int]:
 
 
 CHUNKS_PER_TASK = 8  # a task hands on its rows in about this many batches (fewer, with fewer pieces)
+ROW = "_pipeline_row"  # the training split's column of row numbers: what the workers' ledger counts
+
+
+def row_numbers(groups: list[RowGroup]) -> np.ndarray:
+    """Each row group's first row number in the split (file order), then the split's rows: a row's number is
+    its group's first plus its place in the group, whatever order an epoch reads them in."""
+    return np.cumsum([0, *(group.rows for group in groups)])
+
+
+def trained(bits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Whether each of ``rows`` (row numbers) is set in ``bits`` (packed, as :func:`numpy.packbits` packs)."""
+    return (bits[rows >> 3] >> (7 - (rows & 7)).astype(np.uint8)) & 1 == 1
 
 
 def dataset(
-    source: Source, windows: Windows, tasks: int, *, seed: int | None, then: Callable, coordinator, options: dict
+    source: Source,
+    windows: Windows,
+    tasks: int,
+    *,
+    seed: int | None,
+    then: Callable,
+    coordinator,
+    options: dict,
+    numbers: np.ndarray | None = None,
 ) -> ray.data.Dataset:
     """A lazy dataset of ``tasks`` tasks per epoch that gather each epoch's rows from ``source``'s pieces, a
     window at a time, mixed with ``seed``, and hand them on through ``then(batch, epoch)`` (the steps that
     run every epoch, in the same process: no copy between them). Each task asks ``coordinator``
     (:class:`pipeline.data.coordinator.Coordinator`) for the training epoch once; ``options``: the tasks' Ray
-    options (CPUs, where they may run)."""
+    options (CPUs, where they may run). With ``numbers`` (:func:`row_numbers`), each row carries its number
+    (``ROW``), and the rows of a resumed epoch trained on before the stop are left out, the rest keeping their
+    places in the epoch's order."""
     tasks = max(tasks, windows.first, windows.later)
 
     def epoch_part(batch: Batch) -> Iterator[Batch]:
-        epoch = ray.get(coordinator.get_epoch.remote())
+        epoch, done = ray.get(coordinator.position.remote())
         count = windows.count(epoch)
         window, part, parts = task_share(int(batch["id"][0]), tasks, count)
         refs, sizes = source.window(epoch, window, count)
@@ -187,13 +209,23 @@ def dataset(
         total = int(starts[-1])
         order = np.arange(total) if seed is None else np.random.default_rng([seed, epoch, window]).permutation(total)
         mine = np.array_split(order, parts)[part]
-        if not len(mine):  # more tasks than rows (a transform skipped most of them)
+        number = None
+        if numbers is not None:  # each row's number: its row group's first, plus its place in the group
+            groups = window_groups(len(numbers) - 1, seed, epoch, count)[window]
+            held = [sum(n for n, _ in group) for group in sizes]
+            number = np.concatenate([numbers[g] + np.arange(n) for g, n in zip(groups, held)] or [np.zeros(0, int)])
+            if done is not None:
+                mine = mine[~trained(ray.get(done), number[mine])]
+        if not len(mine):  # more tasks than rows (a transform skipped most of them), or all trained on
             return
         piece_of = np.searchsorted(starts, mine, side="right") - 1
         needed = np.unique(piece_of)
         found = dict(zip(needed.tolist(), ray.get([refs[i] for i in needed])))
         for cut in np.array_split(np.arange(len(mine)), max(1, min(len(needed), CHUNKS_PER_TASK))):
-            yield then(source.take(found, piece_of[cut], mine[cut] - starts[piece_of[cut]]), epoch)
+            rows_cut = source.take(found, piece_of[cut], mine[cut] - starts[piece_of[cut]])
+            if number is not None:
+                rows_cut[ROW] = number[mine[cut]]
+            yield then(rows_cut, epoch)
 
     ds = ray.data.range(tasks, override_num_blocks=tasks).map_batches(epoch_part, batch_size=None, **options)
     return workarounds.streamed_blocks(ds)

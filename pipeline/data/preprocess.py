@@ -158,7 +158,9 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             shuffle = seed if name == "train" else None
             groups = pieces.row_groups(split.files, split.filesystem, src.limit, layout.label)
             if plan.on:
-                built = cached_dataset(split, groups, columns, data.coordinator, shuffle, plan.row_bytes[name])
+                built = cached_dataset(
+                    split, groups, columns, data.coordinator, shuffle, plan.row_bytes[name], numbered=name == "train"
+                )
                 data.datasets[name], data.caches[name] = built
             else:
                 streaming = streamed_dataset(
@@ -169,6 +171,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     coordinator=data.coordinator,
                     shuffle_seed=shuffle,
                     budget=plan.capacity_bytes // 3,
+                    numbered=name == "train",
                 )
                 data.datasets[name], data.streams[name] = streaming
             if name == "train":
@@ -238,12 +241,13 @@ def streamed_dataset(
     coordinator,
     shuffle_seed: int | None,
     budget: int,
+    numbered: bool = False,
 ) -> tuple[ray.data.Dataset, stream.Stream]:
     """``split`` (called ``name``, its row ``groups``) read anew every epoch (:mod:`pipeline.data.stream`), in a
     new order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a
     time read by a reader on each node where the split's first step may run, every step run as its rows are
     gathered.
-    ``columns`` as :func:`dataset`'s."""
+    ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
     steps, where = streamed_steps(split.steps), read_placement(split.steps)
     columns_read = [*split.layout.inputs, *columns[1:]]
     streaming = stream.open_stream(
@@ -256,7 +260,9 @@ def streamed_dataset(
         budget=budget,
         where=where,
     )
-    return epoch_dataset(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator), streaming
+    numbers = pieces.row_numbers(groups) if numbered else None
+    epochs = epoch_dataset(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator, numbers=numbers)
+    return epochs, streaming
 
 
 def cached_dataset(
@@ -266,10 +272,13 @@ def cached_dataset(
     coordinator,
     shuffle_seed: int | None,
     row_bytes: float,
+    *,
+    numbered: bool = False,
 ) -> tuple[ray.data.Dataset, cache.Cache]:
     """``split`` (its row ``groups``) with its steps that run once submitted now as Ray tasks
     (:mod:`pipeline.data.cache`), and a lazy dataset that reads their output each epoch, mixed with
-    ``shuffle_seed``, with the per-epoch steps chained on. ``columns`` as :func:`dataset`'s."""
+    ``shuffle_seed``, with the per-epoch steps chained on. ``columns`` as :func:`dataset`'s; ``numbered``: as
+    :func:`epoch_dataset`'s."""
     once, every_epoch = cached_steps(split.steps)
     prepare = Steps(once, read_steps(split))
     first = next(iter(once.values()), None)
@@ -287,19 +296,35 @@ def cached_dataset(
         seed=shuffle_seed,
         options=build_options,
     )
-    return epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator), built
+    numbers = pieces.row_numbers(groups) if numbered else None
+    return epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator, numbers=numbers), built
 
 
 def epoch_dataset(
-    source: pieces.Source, seed: int | None, steps: dict[str, TransformSpec], first: list, columns, coordinator
+    source: pieces.Source,
+    seed: int | None,
+    steps: dict[str, TransformSpec],
+    first: list,
+    columns,
+    coordinator,
+    *,
+    numbers: np.ndarray | None = None,
 ):
     """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first``
     (:func:`read_steps`) and ``steps`` run on the rows as they are gathered, in the same task, which keeps only
-    ``columns``."""
+    ``columns``; with ``numbers`` (the training split's), each row's number as well, and a resumed epoch
+    without the rows trained on before the stop."""
     then = Steps(steps, first, keep=columns)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **read_placement(steps)}
     return pieces.dataset(
-        source, source.windows, source.tasks, seed=seed, then=then, coordinator=coordinator, options=options
+        source,
+        source.windows,
+        source.tasks,
+        seed=seed,
+        then=then,
+        coordinator=coordinator,
+        options=options,
+        numbers=numbers,
     )
 
 

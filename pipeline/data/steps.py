@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from pipeline.common.errors import PipelineError
 from pipeline.config import PredictConfig, TransformSpec
 from pipeline.data import source
+from pipeline.data.pieces import ROW
 from transforms.tabular import stack_features
 
 
@@ -67,11 +68,29 @@ class Steps:
     def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
         if self.fns is None:
             self.fns = [step_callable(spec) for spec in self.specs.values()]
+        numbers = batch.get(ROW)
         for fn, kwargs in self.first:
             batch = fn(batch, **kwargs)
         for fn, takes in self.fns:
             batch = fn(batch, epoch=epoch) if takes and epoch is not None else fn(batch)
-        return batch if self.keep is None else {name: batch[name] for name in self.keep}
+        if self.keep is None:
+            return batch
+        return {name: batch[name] for name in self.keep} | carried(batch, numbers, self.keep[-1])
+
+
+def carried(batch: dict[str, np.ndarray], numbers: np.ndarray | None, label: str) -> dict[str, np.ndarray]:
+    """The rows' numbers (``ROW``), past steps that return only their own columns; a step that drops rows must
+    hand the other columns on (``{**batch, ...}``, as the built-in ones do), else the ledger would lose count."""
+    if numbers is None:
+        return {}
+    if ROW in batch:
+        return {ROW: batch[ROW]}
+    if len(batch[label]) != len(numbers):
+        raise PipelineError(
+            f"a transform step dropped rows and the column {ROW!r} with them: a step that drops rows must return the "
+            "batch's other columns too ({**batch, column: values}), so each row's number stays with it."
+        )
+    return {ROW: numbers}
 
 
 _instances: dict[str, Any] = {}  # a process's class steps, built once (a gathering task's process runs many)
