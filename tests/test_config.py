@@ -20,8 +20,9 @@ from pipeline.jobs.predict import actor_options
 from pipeline.runtime.checks import check_outlives_job, check_resources
 from pipeline.runtime.cluster import Runtime, runtime, runtime_env
 from pipeline.training.precision import amp_plan
+from pipeline.training.resume import steps_per_epoch
 from pipeline.training.trainer import trainer_settings
-from pipeline.training.worker import planned_updates, steps_per_epoch
+from pipeline.training.worker import planned_updates
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -188,11 +189,31 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["train.early_stop.patience=0"], r"train.early_stop.patience must be >= 1 or null"),
         (["train.early_stop.metric=val_mae"], r"train.early_stop.metric must be null or one of train_loss, val_loss"),
         (["train.evaluate=true", "tracking.log_model=false"], r"train.evaluate evaluates the run's logged model"),
+        (["train.checkpoint_every=10 hours"], r"train.checkpoint_every must be a number of steps .* got '10 hours'"),
+        (["train.checkpoint_every=0"], r"train.checkpoint_every must be .* more than 0"),
+        (["train.checkpoint_every=2.5"], r"train.checkpoint_every must be a number of steps"),
+        (["train.checkpoint_every=500"], r"train.checkpoint_every='500' keeps .* Set train.num_to_keep"),
+        (["train.stop_grace_s=-1"], r"train.stop_grace_s must be >= 0"),
     ],
 )
 def test_validation_names_the_bad_key(overrides, message):
     with pytest.raises(PipelineError, match=message):
         validate(compose_cfg(overrides))
+
+
+@pytest.mark.parametrize(
+    ("every", "expected"),
+    [
+        (None, (None, None)),
+        ("500", (500, None)),
+        ("500 steps", (500, None)),
+        ("1 step", (1, None)),
+        ("10 min", (None, 600.0)),
+        ("0.5min", (None, 30.0)),
+    ],
+)
+def test_checkpoint_every_counts_optimizer_steps_or_minutes(every, expected):
+    assert TrainConfig(checkpoint_every=every).step_checkpoints() == expected
 
 
 def test_gpu_scaling_uses_nccl_and_gpus():

@@ -123,7 +123,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     resumed = Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
     resumed.set_storage(storage)
     resumed.epochs.reconcile(storage)  # nothing new: every saved epoch is logged
-    resumed.epochs.log_restore(1)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
+    resumed.epochs.log_restore(1, 0)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
     resumed.epochs.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
     resumed.epochs.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})
     history = client.get_metric_history(tracker.run_id, "val_accuracy")

@@ -14,13 +14,34 @@ from conftest import free_port
 from pipeline.common.metrics import epoch_metrics
 from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.data.source import Layout
+from pipeline.training import preemption
 from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.ledger import Ledger
 from pipeline.training.precision import autocast_settings
 from pipeline.training.replica import Replica
+from pipeline.training.resume import EpochSteps
 from pipeline.training.task import Task
-from pipeline.training.worker import prefetched, train_epoch, validate
+from pipeline.training.worker import StepCheckpoints, prefetched, train_epoch, validate
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
+
+
+def one_epoch(replica, batches, cfg, epoch: int, steps: int):
+    """``train_epoch`` as the worker calls it for an epoch not resumed, with no checkpoint within it due."""
+    checkpoints = StepCheckpoints(
+        due=preemption.Due(cfg.train, None), replica=replica, stopper=None, notice=None, cfg=cfg, rank=0
+    )
+    return train_epoch(
+        replica,
+        batches,
+        cfg,
+        epoch=epoch,
+        steps=EpochSteps(done=0, last=steps, per_epoch=steps),
+        progress=None,
+        ledger=Ledger(0, torch.device("cpu"), 0),
+        checkpoints=checkpoints,
+        resumed=None,
+    )
 
 
 def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):
@@ -96,7 +117,7 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
     cfg = epoch_cfg()
     cfg = replace(cfg, task=task, source=replace(cfg.source, num_classes=3 if task.type == "classification" else None))
-    metrics = train_epoch(replica, batches, cfg, 0, 3, None) | validate(replica, batches)
+    metrics = one_epoch(replica, batches, cfg, 0, 3) | validate(replica, batches)
     # the loop adds the one figure an epoch cannot know of itself: what the previous checkpoint held training up
     assert set(metrics) | {"checkpoint_stall_s"} == set(epoch_metrics(task.type, task.metrics))
     assert metrics["param_bytes"] == 4 * (4 * outputs + outputs)  # float32 weight and bias
@@ -113,7 +134,7 @@ def test_grad_clip_bounds_the_norm_of_the_gradient_a_step_applies(clip):
     replica = replica_of(model, lr=1.0, grad_clip=clip)
     batch = {"x": torch.randn(8, 4) * 100, "y": torch.randint(0, 3, (8,))}  # large inputs: a large gradient
     before = weights(model)
-    train_epoch(replica, [batch], epoch_cfg(), 0, 1, None)
+    one_epoch(replica, [batch], epoch_cfg(), 0, 1)
     applied = (weights(model) - before).norm().item()
     if clip is None:
         assert applied > 10 * 0.5  # unclipped, far above the bound
@@ -129,14 +150,14 @@ def test_a_nan_gradient_fails_naming_epoch_and_batch_or_with_skip_is_left_out_an
     batches = [good[0], good[1], poisoned, good[2]]
 
     with pytest.raises(FloatingPointError, match=r"the loss became NaN or inf at epoch 2, batch 3: .*Lower optim.lr"):
-        train_epoch(replica_of(torch.nn.Linear(4, 3)), batches, epoch_cfg(), 1, 4, None)
+        one_epoch(replica_of(torch.nn.Linear(4, 3)), batches, epoch_cfg(), 1, 4)
 
     torch.manual_seed(0)
     skipping = replica_of(torch.nn.Linear(4, 3), on_nonfinite="skip")
-    metrics = train_epoch(skipping, batches, epoch_cfg(), 1, 4, None)
+    metrics = one_epoch(skipping, batches, epoch_cfg(), 1, 4)
     torch.manual_seed(0)
     clean = replica_of(torch.nn.Linear(4, 3))
-    expected = train_epoch(clean, good, epoch_cfg(), 1, 3, None)
+    expected = one_epoch(clean, good, epoch_cfg(), 1, 3)
     assert metrics["skipped_steps"] == 1 and metrics["train_rows"] == 32
     assert torch.equal(weights(skipping.model), weights(clean.model))  # as if the batch had not been there
     assert metrics["train_loss"] == pytest.approx(expected["train_loss"])  # its NaN loss left out
@@ -159,7 +180,7 @@ def accumulated(rank: int, world: int, port: int, out: str) -> None:
         replica = replica_of(model, optimizer=torch.optim.AdamW, lr=0.05)
         batches = [{key: value[i : i + batch] for key, value in shard.items()} for i in range(0, 32, batch)]
         for epoch in range(2):
-            train_epoch(replica, batches, epoch_cfg(accumulate), epoch, len(batches), None)
+            one_epoch(replica, batches, epoch_cfg(accumulate), epoch, len(batches))
         torch.save(weights(replica.module), f"{out}.{batch}x{accumulate}.{rank}")
     if world > 1:
         dist.destroy_process_group()
@@ -192,7 +213,7 @@ def validated(rank: int, world: int, port: int, out: str) -> None:
     replica = replica_of(torch.nn.parallel.DistributedDataParallel(model))
     shard = rows(16, seed=rank)
     shard["x"] = shard["x"] + 3 * rank  # each rank's batch moves its running statistics elsewhere
-    train_epoch(replica, [shard], epoch_cfg(), 0, 1, None)
+    one_epoch(replica, [shard], epoch_cfg(), 0, 1)
     validate(replica, [rows(16, seed=7)])
     torch.save(model[1].running_mean.clone(), f"{out}.{rank}")
     dist.destroy_process_group()

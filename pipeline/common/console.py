@@ -93,11 +93,11 @@ class Progress:
             self.close()
         tqdm.write(format_metrics(metrics["epoch"], self.epochs, metrics, self.wait_limit))
 
-    def restored(self, epoch: int, workers: int) -> None:
-        self.close()  # the interrupted epoch starts over
+    def restored(self, epoch: int, workers: int, step: int = 0) -> None:
+        self.close()  # the interrupted epoch goes on from the checkpoint's step
+        where = f"epoch {epoch + 1}/{self.epochs}" + (f" after its step {step}" if step else "")
         tqdm.write(
-            f"restored from the latest checkpoint: continuing at epoch {epoch + 1}/{self.epochs} on {workers} "
-            f"worker{'s' if workers > 1 else ''}"
+            f"restored from the latest checkpoint: continuing at {where} on {workers} worker{'s' * (workers > 1)}"
         )
 
     def close(self) -> None:

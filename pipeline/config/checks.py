@@ -273,6 +273,17 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
     )
     _require(stop.min_delta >= 0, f"train.early_stop.min_delta must be >= 0, got {stop.min_delta}.")
     _require(train.max_failures >= -1, f"train.max_failures must be >= -1, got {train.max_failures}.")
+    try:
+        train.step_checkpoints()
+    except ValueError as err:
+        raise PipelineError(str(err)) from None
+    _require(
+        train.checkpoint_every is None or train.num_to_keep is not None,
+        f"train.checkpoint_every={train.checkpoint_every!r} keeps a checkpoint every few steps and "
+        "train.num_to_keep=null keeps them all, so the run's storage grows without end. Set train.num_to_keep (2 "
+        "keeps the latest two; with train.checkpoint_metric, the best epochs' and the latest).",
+    )
+    _require(train.stop_grace_s >= 0, f"train.stop_grace_s must be >= 0, got {train.stop_grace_s}.")
     scale = finetune.backbone_lr_scale
     _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
 

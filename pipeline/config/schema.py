@@ -7,6 +7,7 @@ parts (``_target_`` nodes) are free-form here; :mod:`pipeline.config.targets` ch
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -143,6 +144,26 @@ class TrainConfig:
     # async: the next epoch starts while Ray Train uploads the checkpoint to storage.path (Ray's
     # checkpoint_upload_mode); sync: training waits for each upload
     checkpoint_upload: CheckpointUpload = CheckpointUpload["async"]
+    # a checkpoint within the epoch as well, at an optimizer step: every "500 steps" (or 500) or "10 min" of
+    # training; a resumed run continues from the step it reached, each of the epoch's other rows once; null: off
+    checkpoint_every: Optional[str] = None
+    # on SIGTERM or Ctrl-C (ray job stop, a spot notice), the workers checkpoint at the step they are on before
+    # the command ends; the driver waits at most stop_grace_s for it (ray job stop allows 3 s:
+    # RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")
+    checkpoint_on_stop: bool = True
+    stop_grace_s: float = 1.5
+
+    def step_checkpoints(self) -> tuple[int | None, float | None]:
+        """``checkpoint_every`` as (optimizer steps, seconds), one of them set, or (None, None) when off."""
+        if self.checkpoint_every is None:
+            return None, None
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(steps?|min)?\s*", str(self.checkpoint_every))
+        if found is None or float(found[1]) <= 0 or (found[2] != "min" and not found[1].isdigit()):
+            raise ValueError(
+                f"train.checkpoint_every must be a number of steps (500, '500 steps') or of minutes ('10 min'), "
+                f"more than 0, or null; got {self.checkpoint_every!r}."
+            )
+        return (None, float(found[1]) * 60) if found[2] == "min" else (int(found[1]), None)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.tracker import Tracker
 from pipeline.training import finetune, task, trainer
-from pipeline.training.events import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
+from pipeline.training.events import CheckpointRestored, EpochReported, StepCheckpointed, StepTaken, WorkerStarted
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,11 @@ class JobEvents:
         self.progress.epoch_done(event.ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:
-        self.tracker.epochs.log_restore(event.epoch)
-        self.progress.restored(event.epoch, event.workers)
+        self.tracker.epochs.log_restore(event.epoch, event.global_step)
+        self.progress.restored(event.epoch, event.workers, event.step)
+
+    def step_checkpointed(self, event: StepCheckpointed) -> None:
+        self.tracker.epochs.log_step_checkpoint(event.global_step)
 
     def close(self) -> None:
         self.progress.close()

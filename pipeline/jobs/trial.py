@@ -35,6 +35,7 @@ from pipeline.tracking import mlflow_store
 from pipeline.tracking.epochs import STOPPED_TAG
 from pipeline.tracking.tracker import Tracker
 from pipeline.training import trainer
+from pipeline.training.events import STEP_KEY
 
 log = logging.getLogger("pipeline")
 GROUP_KEY = "__groups__"  # a trial's config-group choices: which composed base config it starts from
@@ -85,7 +86,7 @@ class TrialJob(TrainingJob):
         return filesystems.run_storage(self.cfg.storage, self.job.run_dir, self.trial_id)
 
     def fit(self, data: preprocess.TrainingData, storage: RunStorage) -> ray.train.Result:
-        return trainer.fit(self.cfg, data, storage, None, self.initial, callbacks=(TuneReportCallback(),))
+        return trainer.fit(self.cfg, data, storage, None, self.initial, callbacks=(EpochReports(),))
 
     def finish(self, data: preprocess.TrainingData, result: ray.train.Result) -> None:
         """Nothing here: :meth:`TrialRecorder.on_trial_complete` logs the trial's models on the driver."""
@@ -119,6 +120,15 @@ class OpenTrial:
 
     tracker: Tracker
     cfg: PipelineConfig
+
+
+class EpochReports(TuneReportCallback):
+    """Each epoch's report to Tune, not a checkpoint's within an epoch (``train.checkpoint_every``): Tune's
+    schedulers compare epochs. A trial Tune restarts finds those checkpoints in its storage all the same."""
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        if STEP_KEY not in metrics[0]:
+            super().after_report(run_context, metrics, checkpoint)
 
 
 class TrialRecorder(tune.Callback):

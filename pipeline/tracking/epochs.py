@@ -14,11 +14,14 @@ from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking.delivery import metrics_record
 from pipeline.tracking.record import RunRecord
 from pipeline.training import checkpoint
+from pipeline.training.events import STEP_KEY
 
 log = logging.getLogger(__name__)
 
 STOPPED_TAG = "pipeline.stopped_early"  # a run that train.early_stop or a Tune scheduler stopped: when, and why
 RESTORES_METRIC = "restores"  # count of restores from a checkpoint; step = the epoch training continued at
+CHECKPOINT_STEP_METRIC = "checkpoint_step"  # a checkpoint within an epoch: its global step (also the metric's step)
+RESTORED_STEP_METRIC = "restored_at_step"  # the global step a restore continued from; step = the restore's count
 STEP_LOSS_METRIC = "train_loss_step"  # rank 0's batch loss every tracking.log_every_n_steps; step = global step
 DATA_WAIT_TAG = "pipeline.data_wait"  # the latest epoch whose training waited for data, and what to raise
 
@@ -54,6 +57,7 @@ class EpochLog:
         self.drop_last = False
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         self._startup_logged = False
+        self.step_checkpoints: set[int] = set()  # global steps of the checkpoints within epochs logged
 
     def expect_rows(self, rows: dict[str, int], drop_last: bool) -> None:
         """The rows each split holds: an epoch that delivers fewer logs ``skipped_rows``."""
@@ -107,7 +111,10 @@ class EpochLog:
             return
         for path, metrics in checkpoint.reports(storage.filesystem, f"{storage.path}/{storage.name}"):
             finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
-            if metrics["epoch"] not in self.logged and finite:  # NaN failed the run before it reached MLflow
+            within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
+            if (
+                metrics["epoch"] not in self.logged and finite and not within
+            ):  # NaN failed the run before it reached MLflow
                 log.warning(
                     "epoch %d: logged from its checkpoint's report; it never reached the driver", metrics["epoch"] + 1
                 )
@@ -117,8 +124,17 @@ class EpochLog:
         """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
         self.record.write(metrics_record({STEP_LOSS_METRIC: loss}, global_step))
 
-    def log_restore(self, epoch: int) -> None:
-        """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``."""
+    def log_restore(self, epoch: int, global_step: int) -> None:
+        """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``, continuing
+        after ``global_step``."""
         self.rerun = {logged for logged in self.logged if logged >= epoch}
         self.restores += 1
         self.record.write(metrics_record({RESTORES_METRIC: self.restores}, epoch))
+        self.record.write(metrics_record({RESTORED_STEP_METRIC: global_step}, self.restores))
+
+    def log_step_checkpoint(self, global_step: int) -> None:
+        """A checkpoint taken within an epoch, at ``global_step``: where a resume would continue (once: a stop's
+        comes from the driver and may come again from Ray Train's controller)."""
+        if global_step not in self.step_checkpoints:
+            self.step_checkpoints.add(global_step)
+            self.record.write(metrics_record({CHECKPOINT_STEP_METRIC: global_step}, global_step))

@@ -4,23 +4,28 @@ read back. One module, so the writer and its readers cannot drift.
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
 optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
 read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it,
-and the size every file was written at (a copy cut short by a stop is not taken for whole). A sharded model's
+and the size every file was written at (a copy cut short by a stop is not taken for whole). A checkpoint taken
+within an epoch (``train.checkpoint_every``, a stop) says so in its report and keeps where the epoch stands in
+``position.pt``. A sharded model's
 checkpoint (``scaling.strategy=fsdp``) keeps its model and optimizer state in ``torch.distributed.checkpoint``
 directories beside ``checkpoint.pt`` instead (:mod:`pipeline.training.parallel`), each rank's shards there.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import tempfile
 
+import numpy as np
 import pyarrow.fs as pafs
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pipeline.common.errors import PipelineError
+from pipeline.training.events import STEP_KEY
 
 CHECKPOINT_FILE = "checkpoint.pt"
 REPORT_FILE = "report.json"
@@ -28,6 +33,7 @@ SIZE_KEY = "checkpoint_bytes"  # in the report of a checkpoint written before FI
 FILES_KEY = "checkpoint_files"  # in the report: every file of the checkpoint (all ranks'), and its size when whole
 SHARDED_KEY = "sharded"  # in a sharded checkpoint's state: the DCP directories that hold its model and optimizer
 SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
+POSITION_FILE = "position.pt"  # beside it: the epoch's rows trained on (packed bits) and its figures so far
 
 
 def write_state(state: dict, directory: str) -> None:
@@ -67,7 +73,27 @@ def reports(filesystem: pafs.FileSystem, directory: str) -> list[tuple[str, dict
         report = f"{info.path}/{REPORT_FILE}"
         if info.type == pafs.FileType.Directory and filesystem.get_file_info(report).is_file:
             found.append((info.path, read_report(filesystem, info.path)))
-    return sorted(found, key=lambda item: item[1]["epoch"])
+    return sorted(found, key=lambda item: place(item[1]))
+
+
+def place(report: dict) -> tuple[int, int, int]:
+    """Where a checkpoint stands in its run, by its report: after the steps of its epoch it names, or at the
+    epoch's end, after every checkpoint within it."""
+    step = report.get(STEP_KEY)
+    return (report["epoch"], 0, step) if step is not None else (report["epoch"], 1, 0)
+
+
+def write_position(directory: str, trained: np.ndarray, figures: dict[str, float]) -> None:
+    """A checkpoint within an epoch: the rows trained on (:mod:`pipeline.training.ledger`'s bits) and the epoch's
+    figures so far (:meth:`pipeline.training.telemetry.EpochTelemetry.carried`)."""
+    torch.save({"trained": torch.from_numpy(trained), "figures": figures}, os.path.join(directory, POSITION_FILE))
+
+
+def read_position(filesystem: pafs.FileSystem, path: str) -> tuple[np.ndarray, dict[str, float]]:
+    """What :func:`write_position` wrote beside the checkpoint at ``path`` (tensors and numbers only)."""
+    with filesystem.open_input_stream(f"{path}/{POSITION_FILE}") as stream:
+        position = torch.load(io.BytesIO(stream.read()), weights_only=True)
+    return position["trained"].numpy(), position["figures"]
 
 
 def newest(filesystem: pafs.FileSystem, directory: str) -> str | None:

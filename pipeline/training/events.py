@@ -33,13 +33,28 @@ class StepTaken:
     at: float  # wall-clock time the step ended: the first one ends start-up
 
 
+STEP_KEY = "epoch_step"  # in the report of a checkpoint taken within an epoch: the steps of the epoch done
+
+
 @dataclass(frozen=True)
 class CheckpointRestored:
     """Rank 0 loaded a checkpoint (a restarted or resized worker group, or a resumed run): training continues
-    at ``epoch`` on ``workers`` workers."""
+    at ``epoch`` on ``workers`` workers, after ``step`` of its steps (0: at its start), at ``global_step``."""
 
     epoch: int
     workers: int
+    step: int = 0
+    global_step: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCheckpointed:
+    """A checkpoint within an epoch (``train.checkpoint_every``, a stop with notice), persisted at ``checkpoint``."""
+
+    epoch: int
+    step: int  # within the epoch
+    global_step: int
+    checkpoint: str | None
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ thread, each report's ranks checked to agree, and handed to a job's :class:`Even
 controller unpickles :class:`ReportRelay` from it, and MLflow's imports would delay every run's start.
 
 The events are the dataclasses of :mod:`pipeline.training.events`: ``WorkerStarted``, ``StepTaken`` and
-``CheckpointRestored`` from :mod:`pipeline.training.worker`; ``EpochReported`` from :class:`ReportRelay` in Ray
-Train's controller.
+``CheckpointRestored`` from :mod:`pipeline.training.worker`; ``EpochReported`` and ``StepCheckpointed`` (a checkpoint
+within an epoch) from :class:`ReportRelay` in Ray Train's controller.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from ray.util.queue import Empty, Queue
 
 from pipeline.common.errors import PipelineError
 from pipeline.common.metrics import is_task_metric
-from pipeline.training.events import CheckpointRestored, EpochReported, StepTaken, WorkerStarted
+from pipeline.training.events import (
+    STEP_KEY,
+    CheckpointRestored,
+    EpochReported,
+    StepCheckpointed,
+    StepTaken,
+    WorkerStarted,
+)
 
 # How long the driver's thread waits on the queue per call. Each call is a message to the queue actor,
 # so a short wait costs CPU all run long; the end of a run wakes the thread at once with a None.
@@ -40,6 +47,8 @@ class EventHandler(Protocol):
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None: ...
 
+    def step_checkpointed(self, event: StepCheckpointed) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -50,7 +59,13 @@ class ReportRelay(ray.train.UserCallback):
         self.events = events
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        self.events.put(EpochReported(metrics, checkpoint.path if checkpoint else None))
+        path = checkpoint.path if checkpoint else None
+        first = metrics[0]
+        if STEP_KEY in first:  # a checkpoint within the epoch: no epoch's metrics
+            step, global_step = first[STEP_KEY], first["global_step"]
+            self.events.put(StepCheckpointed(epoch=first["epoch"], step=step, global_step=global_step, checkpoint=path))
+        else:
+            self.events.put(EpochReported(metrics, path))
 
 
 def checked_ranks(report: EpochReported) -> list[dict]:
@@ -96,6 +111,7 @@ def relayed(events: Queue, handler: EventHandler | None):
             StepTaken: handler.step_taken,
             EpochReported: handler.epoch_reported,
             CheckpointRestored: handler.checkpoint_restored,
+            StepCheckpointed: handler.step_checkpointed,
         }
     )
 

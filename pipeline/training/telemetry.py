@@ -62,8 +62,8 @@ class EpochTelemetry:
         """The first batch whose loss was NaN or inf (1-based), 0 when none was: one device sync an epoch."""
         return int(self.first_nonfinite.item())
 
-    def totals(self) -> dict:
-        """The epoch's figures over every worker."""
+    def summed(self) -> tuple[float, dict]:
+        """This worker's seconds so far, and the epoch's sums so far over every worker (a collective)."""
         elapsed = time.perf_counter() - self.started
         labels = self.labels.tolist() if self.labels is not None else []
         loss, loss_rows, rows, waited, ran, batches, distinct, *labels = sum_over_workers(
@@ -71,6 +71,36 @@ class EpochTelemetry:
             + [self.distinct.item(), *labels],
             self.device,
         )
+        sums = {"loss": loss, "loss_rows": loss_rows, "rows": rows, "waited": waited, "ran": ran, "batches": batches}
+        return elapsed, sums | {"distinct": distinct, "labels": labels}
+
+    def carried(self) -> dict:
+        """The epoch's sums so far (a collective), for a checkpoint within it: a resumed epoch's figures are
+        the whole epoch's (:meth:`resume`)."""
+        _, sums = self.summed()
+        return sums | {"skipped": self.skipped, "workers": world_size()}
+
+    def resume(self, carried: dict, rank: int) -> None:
+        """Continue an epoch from a checkpoint within it: rank 0 adds the sums so far (counted once over the
+        workers), and every rank's clock starts as far back as a worker had trained."""
+        self.started -= carried["ran"] / carried["workers"]
+        self.skipped += carried["skipped"]
+        if rank != 0:
+            return
+        self.loss_sum += carried["loss"]
+        self.loss_rows += carried["loss_rows"]
+        self.rows += int(carried["rows"])
+        self.waited += carried["waited"]
+        self.batches += int(carried["batches"])
+        self.distinct += carried["distinct"]
+        if self.labels is not None:
+            self.labels += torch.tensor(carried["labels"], dtype=torch.float64, device=self.device)
+
+    def totals(self) -> dict:
+        """The epoch's figures over every worker."""
+        elapsed, sums = self.summed()
+        loss, loss_rows, rows, waited, ran = (sums[key] for key in ("loss", "loss_rows", "rows", "waited", "ran"))
+        batches, distinct, labels = sums["batches"], sums["distinct"], sums["labels"]
         figures = {
             "train_loss": LOSSES["train_loss"].value(loss, loss_rows),
             "train_throughput": rows / elapsed,

@@ -9,7 +9,10 @@ around: ``tests/test_ray_canaries.py``.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import ray
@@ -25,10 +28,11 @@ from pipeline.common.metrics import lower_is_better
 from pipeline.config import PipelineConfig, ScalingConfig, Strategy, TaskConfig, TrainConfig
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import checkpoint, finetune
+from pipeline.training import finetune, preemption
 from pipeline.training.finetune import Initial
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
-from pipeline.training.worker import WorkerJob, steps_per_epoch, train_loop_per_worker
+from pipeline.training.resume import steps_per_epoch
+from pipeline.training.worker import WorkerJob, train_loop_per_worker
 
 
 def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
@@ -61,9 +65,12 @@ def build_trainer(
     storage: RunStorage,
     events: Queue,
     callbacks: list,
+    *,
     initial: Initial | None,
+    notice: ray.actor.ActorHandle | None = None,
 ) -> TorchTrainer:
-    """A TorchTrainer for the typed config; workers send their events to ``events``; ``callbacks``
+    """A TorchTrainer for the typed config; workers send their events to ``events`` and answer ``notice`` (a stop
+    with notice: :mod:`pipeline.training.preemption`); ``callbacks``
     run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
     (the weights training starts from) goes to Ray's object store once, for every worker: with FSDP, every
     tensor of the model, built here (the workers build theirs on the meta device and take their shards)."""
@@ -80,7 +87,8 @@ def build_trainer(
                 statistics=data.statistics,
                 train_rows=data.rows["train"],
                 initial=ray.put(initial) if initial is not None else None,
-                saved=saved_checkpoint(storage),
+                storage=storage,
+                notice=notice,
             )
         },
         scaling_config=scaling_config,
@@ -100,13 +108,6 @@ def build_trainer(
             callbacks=[ReportRelay(events), *callbacks],
         ),
     )
-
-
-def saved_checkpoint(storage: RunStorage) -> ray.train.Checkpoint | None:
-    """The newest whole checkpoint already in the run's storage (a resumed run's), for the workers to
-    continue from when Ray Train restores an older one or none (:func:`pipeline.training.worker.restore_point`)."""
-    path = checkpoint.newest(storage.filesystem, f"{storage.path}/{storage.name}")
-    return None if path is None else ray.train.Checkpoint(path, filesystem=storage.filesystem)
 
 
 def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:
@@ -135,20 +136,31 @@ def fit(
     a job; none for a Tune trial, whose reports reach Tune); a worker or controller failure becomes one PipelineError
     naming its cause. ``initial``: the weights training starts from (None: random ones). ``callbacks``:
     more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
-    events = Queue(actor_options={"num_cpus": 0})
+    events, notice = Queue(actor_options={"num_cpus": 0}), preemption.Notice.remote()
     try:
-        trainer = build_trainer(cfg, data, storage, events, list(callbacks), initial)
+        trainer = build_trainer(cfg, data, storage, events, list(callbacks), initial=initial, notice=notice)
         with relayed(events, handler):
             try:
-                return fit_off_main_thread(trainer)
+                stop = partial(stop_with_notice, notice, cfg.train.stop_grace_s, handler)
+                return fit_off_main_thread(trainer, on_stop=stop if cfg.train.checkpoint_on_stop else None)
             except ray.train.TrainingFailedError as err:
                 raise explain(err) from err
     finally:
         ray.kill(events.actor)
+        ray.kill(notice)
 
 
-def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
-    """``trainer.fit()`` in a helper thread, waited on from this one.
+def stop_with_notice(notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None) -> None:
+    """The workers' checkpoint at the step they are on (:func:`pipeline.training.preemption.checkpoint_before_stop`),
+    handed to ``handler`` at once: the command ends before Ray Train's controller would relay it."""
+    saved = preemption.checkpoint_before_stop(notice, grace_s)
+    if saved is not None and handler is not None:
+        handler.step_checkpointed(saved)
+
+
+def fit_off_main_thread(trainer: TorchTrainer, on_stop: Callable[[], None] | None = None) -> ray.train.Result:
+    """``trainer.fit()`` in a helper thread, waited on from this one; on Ctrl-C or SIGTERM, ``on_stop`` runs
+    before the stop goes on (the workers' checkpoint at the step they are on).
 
     Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
     installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
@@ -176,6 +188,9 @@ def fit_off_main_thread(trainer: TorchTrainer) -> ray.train.Result:
         # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
         # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
         atexit.register(ray.shutdown)
+        stopping = isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit))
+        if stopping and on_stop is not None:
+            on_stop()
         raise
     if "error" in outcome:
         raise outcome["error"]

@@ -4,8 +4,9 @@ A worker gets the typed config (:class:`WorkerJob`; no Hydra context exists here
 of each split with ``iter_torch_batches``, trains its DDP replica or FSDP shard of the model
 (:mod:`pipeline.training.parallel`), all-reduces the validation sums so every world size reports the same
 numbers for the same weights, and reports metrics plus a checkpoint once per epoch, its upload to storage
-overlapping the next epoch (``train.checkpoint_upload``). What the driver does meanwhile is in
-:mod:`pipeline.training.trainer`.
+overlapping the next epoch (``train.checkpoint_upload``); within an epoch too, every ``train.checkpoint_every`` and
+on a stop with notice (:class:`StepCheckpoints`). Where a restarted or resumed worker group continues is
+:mod:`pipeline.training.resume`'s; what the driver does meanwhile, :mod:`pipeline.training.trainer`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -29,10 +31,13 @@ from ray.train import CheckpointUploadMode
 
 from pipeline.common.metrics import LOSSES
 from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, TaskType
-from pipeline.training import checkpoint, parallel
+from pipeline.runtime.filesystems import RunStorage
+from pipeline.training import checkpoint, parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
-from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
+from pipeline.training.events import STEP_KEY, CheckpointRestored, StepCheckpointed, StepTaken, WorkerStarted
+from pipeline.training.ledger import Ledger
 from pipeline.training.replica import Replica
+from pipeline.training.resume import EpochSteps, restore_point, steps_per_epoch
 from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
 
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
@@ -49,7 +54,8 @@ class WorkerJob:
     statistics: dict | None  # the features' mean and std, with ingest.standardize
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
-    saved: ray.train.Checkpoint | None  # the newest whole checkpoint the run's storage held at the start
+    storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
+    notice: Any = None  # the driver's preemption.Notice: a stop with notice, answered with a checkpoint
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -64,11 +70,14 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
 
-    restore = restore_point(job.saved)  # a restarted worker group, or a resumed run
-    start, epochs = (restore.epoch + 1 if restore else 0), cfg.train.epochs
+    restore = restore_point(job.storage)  # a restarted worker group, or a resumed run
+    start, epochs = (restore.next_epoch if restore else 0), cfg.train.epochs
+    within = restore if restore is not None and restore.step else None  # a checkpoint taken within its epoch
 
-    # Ray Data starts reading and decoding the first epoch while the model is built.
-    first = train_batches(cfg, start, coordinator, device, world_size) if start < epochs else ()
+    # Ray Data starts reading and decoding the first epoch while the model is built, without the rows trained on
+    # before the checkpoint within it
+    trained = within.trained if within else None
+    first = train_batches(cfg, start, coordinator, device, world_size, trained) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
@@ -78,13 +87,35 @@ def train_loop_per_worker(config: dict) -> None:
         if stopper is not None:
             stopper.load_state_dict(state.get("early_stop"))
         if rank == 0:  # the driver counts every restore
-            events.put(CheckpointRestored(start, world_size))
+            step = within.step if within else 0
+            events.put(CheckpointRestored(start, world_size, step, start * steps + step))
     progress = events.put if rank == 0 else None
     stalled = 0.0  # seconds the last checkpoint held training up
+    checkpoints = StepCheckpoints(
+        due=preemption.Due(cfg.train, job.notice),
+        replica=replica,
+        stopper=stopper,
+        notice=job.notice,
+        cfg=cfg,
+        rank=rank,
+    )
 
     for epoch in range(start, epochs):
         batches = first_batches if epoch == start else train_batches(cfg, epoch, coordinator, device, world_size)
-        metrics = train_epoch(replica, batches, cfg, epoch, steps, progress)
+        resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
+        metrics = train_epoch(
+            replica,
+            batches,
+            cfg,
+            epoch=epoch,
+            steps=EpochSteps.of(cfg, job.train_rows, world_size, resumed),
+            progress=progress,
+            ledger=Ledger(job.train_rows, device, rank, resumed.trained if resumed else None),
+            checkpoints=checkpoints,
+            resumed=resumed.figures if resumed else None,
+        )
+        if metrics is None:  # the command is stopping: the checkpoint is saved
+            return
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
         metrics |= validate(replica, valid)
         # every rank holds the same all-reduced metrics, so every rank decides alike
@@ -104,12 +135,6 @@ def train_loop_per_worker(config: dict) -> None:
             break
 
 
-def steps_per_epoch(train_rows: int, num_workers: int, global_batch: int, drop_last: bool) -> int:
-    """Batches each worker sees per epoch: Ray Train splits a dataset into equal shards."""
-    rows, batch = train_rows // num_workers, global_batch // num_workers
-    return rows // batch if drop_last else -(-rows // batch)
-
-
 def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
     """The optimizer steps the LR schedule spans: every epoch at the most steps any allowed worker count
     takes (the global batch stays the same, so they differ by rounding only), the same for every worker
@@ -120,28 +145,44 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
 
 
 def train_epoch(
-    replica: Replica, batches: Iterable[dict], cfg: PipelineConfig, epoch: int, steps: int, progress
-) -> dict:
-    """One pass over the worker's training shard (``steps`` batches); its figures over all workers
-    (:class:`pipeline.training.telemetry.EpochTelemetry`). ``progress`` (rank 0) gets the step and batch loss once a
-    second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
+    replica: Replica,
+    batches: Iterable[dict],
+    cfg: PipelineConfig,
+    *,
+    epoch: int,
+    steps: EpochSteps,
+    progress,
+    ledger: Ledger,
+    checkpoints: StepCheckpoints,
+    resumed: dict | None,
+) -> dict | None:
+    """One pass over the worker's training shard (steps ``done + 1`` to ``last``); its figures over all workers
+    (:class:`pipeline.training.telemetry.EpochTelemetry`, with the figures of the steps ``resumed`` from), or None
+    when the command is stopping and the step's checkpoint is saved. ``progress`` (rank 0) gets the step and batch
+    loss once a second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
+    After an optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of the rows
+    trained on.
 
     The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
-    fewer batches than ``steps`` (rows skipped by a transform), what they accumulated after the last step
+    fewer batches than ``last`` (rows skipped by a transform), what they accumulated after the last step
     is dropped with the next epoch's first ``zero_grad``."""
     features, labels = replica.layout.model_input, replica.layout.label
     replica.model.train()
     replica.optimizer.zero_grad(set_to_none=True)
     classes = cfg.source.num_classes if cfg.task.type == TaskType.classification else None
     telemetry = EpochTelemetry(next(replica.model.parameters()).device, classes)
+    if resumed is not None:
+        telemetry.resume(resumed, checkpoints.rank)
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
-    for step, batch in enumerate(telemetry.timed(batches), start=1):
+    for step, batch in enumerate(telemetry.timed(batches), start=steps.done + 1):
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
-        update = step % accumulate == 0 or step == steps  # an optimizer step after this batch
+        update = step % accumulate == 0 or step == steps.last  # an optimizer step after this batch
         with replica.autocast:
             loss = replica.task.loss(replica.model(replica.scale(batch[features])), batch[labels])
         replica.backward(loss, accumulate, update)
+        ledger.add(batch)
+        global_step = epoch * steps.per_epoch + step
         if update:
             telemetry.skipped += not replica.step()
         telemetry.batch(step, loss, len(batch[labels]))
@@ -150,11 +191,11 @@ def train_epoch(
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely
             progress(
-                StepTaken(
-                    epoch=epoch, step=step, global_step=epoch * steps + step, log=log, loss=loss.item(), at=time.time()
-                )
+                StepTaken(epoch=epoch, step=step, global_step=global_step, log=log, loss=loss.item(), at=time.time())
             )
             last_sent = time.monotonic()
+        if update and checkpoints.taken(epoch=epoch, step=step, global_step=global_step, within=(telemetry, ledger)):
+            return None  # the command is stopping
     if replica.on_nonfinite == OnNonfinite["raise"] and (batch_number := telemetry.nonfinite_batch()):
         raise FloatingPointError(
             f"the loss became NaN or inf at epoch {epoch + 1}, batch {batch_number}: training diverged, "
@@ -198,13 +239,25 @@ def rank0_buffers(model: torch.nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def report(metrics: dict, replica: Replica, epoch: int, stopper: EarlyStopping | None, rank: int, upload: str) -> None:
-    """``ray.train.report`` (a barrier: every rank calls it once per epoch) with the epoch's checkpoint, written
-    to a local directory that Ray Train uploads to storage and then deletes: with ``upload`` async
-    (``train.checkpoint_upload``) in a thread while the next epoch trains. Every rank's files and their sizes go
-    in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`)."""
+def report(
+    metrics: dict,
+    replica: Replica,
+    epoch: int,
+    stopper: EarlyStopping | None,
+    rank: int,
+    upload: str,
+    *,
+    position: tuple[np.ndarray, dict] | None = None,
+) -> None:
+    """``ray.train.report`` (a barrier: every rank calls it once per epoch, and at each checkpoint within it) with
+    the checkpoint, written to a local directory that Ray Train uploads to storage and then deletes: with
+    ``upload`` async (``train.checkpoint_upload``) in a thread while training goes on. Every rank's files and their
+    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`).
+    ``position``: a checkpoint within the epoch, the rows trained on and the epoch's figures so far."""
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     replica.save(directory, epoch, stopper, rank)
+    if position is not None and rank == 0:
+        checkpoint.write_position(directory, *position)
     every_rank = parallel.from_every_rank(checkpoint.files(directory))
     written = {name: size for files in every_rank for name, size in files.items()}
     if rank == 0:
@@ -218,30 +271,51 @@ def report(metrics: dict, replica: Replica, epoch: int, stopper: EarlyStopping |
     ray.train.report(metrics, checkpoint=saved, checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
 
 
-@dataclass(frozen=True)
-class RestorePoint:
-    checkpoint: ray.train.Checkpoint
-    epoch: int
+@dataclass(kw_only=True)
+class StepCheckpoints:
+    """A worker's checkpoints within an epoch (``train.checkpoint_every``, a stop with notice): when one is due
+    (:class:`pipeline.training.preemption.Due`), what it keeps, and the answer to the driver's notice."""
 
+    due: preemption.Due
+    replica: Replica
+    stopper: EarlyStopping | None
+    notice: Any  # the driver's preemption.Notice, or None
+    cfg: PipelineConfig
+    rank: int
 
-def restore_point(saved: ray.train.Checkpoint | None) -> RestorePoint | None:
-    """Where training continues: the newer of the checkpoint Ray Train restores (a restarted worker group, or
-    a resumed run) and ``saved``, the newest the storage held when the run started, which Ray never registered
-    when a stop came between its copy and its registration. Their reports say their epochs."""
-    points = [
-        RestorePoint(found, checkpoint.read_report(found.filesystem, found.path)["epoch"])
-        for found in (ray.train.get_checkpoint(), saved)
-        if found is not None
-    ]
-    return max(points, key=lambda point: point.epoch, default=None)
+    def taken(self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger]) -> bool:
+        """After the optimizer step ``step`` of ``epoch``: a checkpoint when one is due; True when the command is
+        stopping (it is saved, and the driver told)."""
+        train = self.cfg.train
+        due, stopping = self.due.check(global_step // train.accumulate)
+        if not due:
+            return False
+        telemetry, ledger = within
+        metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank}
+        if train.checkpoint_metric is not None:  # not measured: Ray Train ranks NaN below every score
+            metrics[train.checkpoint_metric] = math.nan
+        upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
+        position = ledger.trained(), telemetry.carried()  # collectives: every rank
+        report(metrics, self.replica, epoch, self.stopper, self.rank, upload, position=position)
+        self.due.saved()
+        if stopping and self.rank == 0:
+            saved = StepCheckpointed(epoch=epoch, step=step, global_step=global_step, checkpoint=None)
+            ray.get(self.notice.checkpointed.remote(saved))
+        return stopping
 
 
 def train_batches(
-    cfg: PipelineConfig, epoch: int, coordinator, device: torch.device, world_size: int
+    cfg: PipelineConfig,
+    epoch: int,
+    coordinator,
+    device: torch.device,
+    world_size: int,
+    trained: np.ndarray | None = None,
 ) -> Iterator[dict]:
-    """This worker's training shard for ``epoch``. The epoch is set on the job's coordinator first, since the
-    seeded transforms of the pass read it (the pass starts once every worker has asked for it)."""
-    ray.get(coordinator.set_epoch.remote(epoch))
+    """This worker's training shard for ``epoch``, without the rows ``trained`` on before a resume. The epoch is
+    set on the job's coordinator first, since the seeded transforms of the pass read it (the pass starts once
+    every worker has asked for it)."""
+    ray.get(coordinator.set_epoch.remote(epoch, trained))
     shard = ray.train.get_dataset_shard("train")
     return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg.train.seed + epoch)
 

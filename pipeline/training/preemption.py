@@ -1,0 +1,106 @@
+"""Checkpoints within an epoch: when one is due in the workers (every ``train.checkpoint_every``, or at once on a
+stop with notice), every rank agreeing on the step; and, on the driver, a stop with notice (SIGTERM, Ctrl-C,
+``ray job stop``, a spot notice) passed to the workers, waited on for at most ``train.stop_grace_s``.
+
+The driver and the workers meet through a :class:`Notice` actor; each worker reads it from a thread, and the
+ranks agree at each optimizer step with a one-number all-reduce on a gloo group, started at one step and read at
+the next (it overlaps a step of training: the GPU never waits on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from pipeline.config import TrainConfig
+from pipeline.training.events import StepCheckpointed
+from pipeline.training.parallel import world_size
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a worker asks the notice whether the command is stopping
+
+
+@ray.remote(num_cpus=0)
+class Notice:
+    """The driver's word that the command is stopping, and the workers' answer once their checkpoint is saved."""
+
+    def __init__(self) -> None:
+        self.stopping, self.saved = False, None
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def is_stopping(self) -> bool:
+        return self.stopping
+
+    def checkpointed(self, saved: StepCheckpointed) -> None:
+        self.saved = saved
+
+    def answer(self) -> StepCheckpointed | None:
+        """The checkpoint the workers saved on the notice; None until they have."""
+        return self.saved
+
+
+def checkpoint_before_stop(notice: ray.actor.ActorHandle, grace_s: float) -> StepCheckpointed | None:
+    """On the driver, the command stopping: ask the workers for a checkpoint at the step they are on, and wait for
+    it at most ``grace_s`` (a second signal ends the wait at once); the checkpoint, None when none came in time."""
+    notice.stop.remote()
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        saved = ray.get(notice.answer.remote(), timeout=max(deadline - time.monotonic(), 0.01))
+        if saved is not None:
+            log.warning("stopping: checkpointed at epoch %d, step %d", saved.epoch + 1, saved.step)
+            return saved
+        time.sleep(POLL_S)
+    log.warning("stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s)
+    return None
+
+
+class Due:
+    """In each worker: whether a checkpoint is due after an optimizer step, the same answer on every rank."""
+
+    def __init__(self, train: TrainConfig, notice: ray.actor.ActorHandle | None):
+        self.every_steps, self.every_s = train.step_checkpoints()
+        self.notice = notice if train.checkpoint_on_stop else None
+        self.stopping = threading.Event()
+        self.last = time.monotonic()
+        if self.notice is not None:
+            threading.Thread(target=self.watch, name="stop-notice", daemon=True).start()
+        self.group, self.pending = None, None
+        if world_size() > 1 and (self.notice is not None or self.every_s is not None):
+            self.group = dist.new_group(backend="gloo")  # a CPU group: the agreement never syncs a GPU
+
+    def watch(self) -> None:
+        while not self.stopping.is_set():
+            if ray.get(self.notice.is_stopping.remote()):
+                self.stopping.set()
+            time.sleep(POLL_S)
+
+    def check(self, updates: int) -> tuple[bool, bool]:
+        """After optimizer step ``updates`` of the run: (a checkpoint is due, the command is stopping)."""
+        local = torch.tensor([self.stopping.is_set(), self.timed_out()], dtype=torch.int32)
+        agreed = local
+        if self.group is not None:  # the last step's flags, over every rank; this step's go out now
+            work, agreed = self.pending or (None, torch.zeros(2, dtype=torch.int32))
+            if work is not None:
+                work.wait()
+            self.pending = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local
+        stopping, timed = bool(agreed[0]), bool(agreed[1])
+        stepped = self.every_steps is not None and updates % self.every_steps == 0
+        return stepped or timed or stopping, stopping
+
+    def timed_out(self) -> bool:
+        return self.every_s is not None and time.monotonic() - self.last >= self.every_s
+
+    def saved(self) -> None:
+        """A checkpoint was taken: the minutes count from now, and the flags in flight, from before it, go."""
+        self.last = time.monotonic()
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None

@@ -1,0 +1,336 @@
+"""A preemption costs a step, not an epoch: runs stopped mid-epoch (SIGTERM: a notice) or with a worker SIGKILLed
+(no notice) continue from the step they reached, and a ledger kept by the model itself (each training forward
+appends the row numbers it saw: tests/ledger_model.py) shows every row trained on once per epoch, on the same or
+another number of workers. (``ray job stop`` with Ray's defaults, mid-epoch: the S3 job in test_jobs.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow import MlflowClient
+from test_pipeline import cli_env
+
+from pipeline.common.errors import PipelineError
+from pipeline.config import TransformSpec
+from pipeline.data.pieces import ROW, row_numbers, trained
+from pipeline.data.steps import Steps
+from pipeline.training import checkpoint
+from pipeline.training.ledger import Ledger
+from pipeline.training.telemetry import EpochTelemetry
+
+TESTS = Path(__file__).resolve().parent
+TRAIN_ROWS, BATCH = 1000, 20
+
+
+@pytest.fixture(scope="module")
+def ledger_data(tmp_path_factory) -> Path:
+    """A table whose first feature is each row's number (``row``), in 4 files of row groups of 50 rows."""
+    root = tmp_path_factory.mktemp("ledger")
+    rng = np.random.default_rng(0)
+    for split, rows in (("train", TRAIN_ROWS), ("valid", 100)):
+        x = rng.normal(size=(rows, 2))
+        target = (x[:, 0] > 0).astype(np.int64)
+        table = pa.table({"row": np.arange(rows, dtype=np.float64), "x0": x[:, 0], "x1": x[:, 1], "target": target})
+        (root / split).mkdir()
+        for part in range(4):
+            pq.write_table(
+                table.slice(part * rows // 4, rows // 4), root / split / f"{part}.parquet", row_group_size=50
+            )
+    return root
+
+
+def command(tmp_path: Path, data: Path, *overrides: str) -> list[str]:
+    """The ledger model on ``data``, 2 epochs, each step slowed so that a stop lands mid-epoch."""
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        f"source.train={data / 'train'}",
+        f"source.valid={data / 'valid'}",
+        "source.feature_column=[row,x0,x1]",
+        "source.label_column=target",
+        "source.num_classes=2",
+        "source.limit=null",
+        "source.download=null",
+        "transforms=none",
+        "~model",
+        "+model._target_=ledger_model.LedgerModel",
+        "+model.in_channels=3",
+        "+model.num_classes=2",
+        f"+model.log_dir={tmp_path / 'ledger'}",
+        "+model.delay_s=0.03",
+        f"ingest.batch_size={BATCH}",
+        "train.epochs=2",
+        "tracking.log_model=false",
+        "tracking.log_every_n_steps=5",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        "hydra.run.dir=run",
+        *overrides,
+    ]
+
+
+def start(tmp_path: Path, data: Path, *overrides: str) -> subprocess.Popen:
+    (tmp_path / "ledger").mkdir(exist_ok=True)
+    env = {**cli_env(data), "PYTHONPATH": str(TESTS)}  # the workers import the ledger model
+    return subprocess.Popen(
+        command(tmp_path, data, *overrides),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(process: subprocess.Popen, returncode: int = 0) -> str:
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == returncode, output[-3000:]
+    return output
+
+
+def forwards(path: Path) -> int:
+    return path.read_text().count("T ") if path.exists() else 0
+
+
+def wait_for_step(tmp_path: Path, pid: int, steps: int, timeout_s: float = 180.0) -> None:
+    """Until the worker process ``pid`` has trained on ``steps`` batches."""
+    deadline = time.monotonic() + timeout_s
+    while forwards(tmp_path / "ledger" / f"{pid}.log") < steps:
+        assert time.monotonic() < deadline, f"worker {pid} never reached step {steps}"
+        time.sleep(0.02)
+
+
+def workers(tmp_path: Path) -> list[dict]:
+    """The run's workers.jsonl: every worker group's ranks and pids, in the order they started."""
+    path, deadline = tmp_path / "run" / "workers.jsonl", time.monotonic() + 180
+    while not path.exists():
+        assert time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def epochs_of(pid: int, tmp_path: Path, first: int = 0, keep_last: int | None = None) -> dict[int, list[int]]:
+    """The rows worker ``pid`` trained on, by epoch (its ledger's validation marks end each one), from epoch
+    ``first``; ``keep_last``: the last epoch's first steps only (those a checkpoint kept before a SIGKILL)."""
+    epochs: list[list[list[int]]] = [[]]
+    for line in (tmp_path / "ledger" / f"{pid}.log").read_text().splitlines():
+        if line == "V":
+            if epochs[-1]:
+                epochs.append([])
+            continue
+        epochs[-1].append([int(row) for row in line[2:].split()])
+    if keep_last is not None:
+        epochs[-1] = epochs[-1][:keep_last]
+    return {first + i: [row for step in steps for row in step] for i, steps in enumerate(epochs) if steps}
+
+
+def assert_each_row_once(*ledgers: dict[int, list[int]], epochs: int = 2) -> None:
+    for epoch in range(epochs):
+        counts = Counter(row for ledger in ledgers for row in ledger.get(epoch, []))
+        twice = sorted(row for row, n in counts.items() if n > 1)
+        assert not twice, f"epoch {epoch}: rows trained on twice: {twice[:10]}"
+        missed = sorted(set(range(TRAIN_ROWS)) - set(counts))
+        assert not missed, f"epoch {epoch}: rows never trained on: {missed[:10]}"
+
+
+def the_run(tmp_path: Path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
+    return client, run
+
+
+def history(client: MlflowClient, run, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+def final_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
+    reports = checkpoint.reports(pafs.LocalFileSystem(), str(next((tmp_path / "run" / "checkpoints").iterdir())))
+    path, _ = reports[-1]
+    return checkpoint.load(path, "the run's last checkpoint")["model"]
+
+
+@pytest.mark.slow  # runs the command, which starts Ray
+def test_a_run_stopped_mid_epoch_resumes_at_its_step_each_row_once_and_ends_where_an_uninterrupted_one_does(
+    tmp_path, ledger_data
+):
+    """One worker, rows in block order: two uninterrupted runs compute the same weights. SIGTERM halfway through
+    epoch 2: the workers checkpoint at the step they are on, the run ends KILLED; resumed, it continues after that
+    step, trains on each of the epoch's other rows once, logs the epoch once with the whole epoch's figures, and
+    ends with the uninterrupted run's weights."""
+    deterministic = ["scaling.num_workers=1", "ingest.preserve_order=true"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    finish(start(straight, ledger_data, *deterministic))
+    straight_client, uninterrupted = the_run(straight)
+
+    stopped = start(tmp_path, ledger_data, *deterministic, "tracking.run_name=stopped")
+    per_epoch = TRAIN_ROWS // BATCH
+    (worker,) = workers(tmp_path)
+    wait_for_step(tmp_path, worker["pid"], per_epoch + per_epoch // 2)
+    stopped.send_signal(signal.SIGTERM)
+    output = finish(stopped, 143)
+    client, run = the_run(tmp_path)
+    assert run.info.status == "KILLED"
+    (saved,) = history(client, run, "checkpoint_step")  # the stop's checkpoint: mid-epoch 2
+    assert "stopping: checkpointed at epoch 2" in output and per_epoch < saved[0] < 2 * per_epoch
+
+    resumed = finish(start(tmp_path, ledger_data, *deterministic, "tracking.run_name=stopped", "train.resume=true"))
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert f"continuing at epoch 2/2 after its step {saved[0] - per_epoch} on 1 worker" in resumed
+    assert history(client, run, "restored_at_step") == [(1, saved[0])]
+    first, second = [w["pid"] for w in workers(tmp_path)]
+    assert_each_row_once(epochs_of(first, tmp_path), epochs_of(second, tmp_path, first=1))
+    # the step losses go on from the step reached, each logged once
+    steps = [step for step, _ in history(client, run, "train_loss_step")]
+    assert steps == list(range(5, 2 * per_epoch + 1, 5))
+    for key in ("train_loss", "val_loss", "train_rows"):  # each epoch once, the whole epoch's figures
+        ours, theirs = history(client, run, key), history(straight_client, uninterrupted, key)
+        assert [s for s, _ in ours] == [0, 1] and np.allclose(
+            [v for _, v in ours], [v for _, v in theirs], atol=1e-6
+        ), key
+    expected, got = final_weights(straight), final_weights(tmp_path)
+    assert all(torch.allclose(expected[name], got[name], atol=1e-6) for name in expected)
+
+
+@pytest.mark.slow  # runs the command, which starts Ray
+def test_a_streamed_run_stopped_on_two_workers_resumes_on_one_each_row_once(tmp_path, ledger_data):
+    """The training split streamed (not cached), shuffled, on 2 workers: SIGTERM mid-epoch 2, resumed on 1 worker
+    (the global batch kept): each row of every epoch trained on once, and the run finishes."""
+    streamed = ["ingest.cache=false", "tracking.run_name=moved"]
+    stopped = start(tmp_path, ledger_data, *streamed, "scaling.num_workers=2")
+    per_epoch = TRAIN_ROWS // BATCH  # steps of a worker: each takes half of every global batch of half the rows
+    ranks = workers(tmp_path)
+    wait_for_step(tmp_path, ranks[0]["pid"], per_epoch + per_epoch // 3)
+    stopped.send_signal(signal.SIGTERM)
+    finish(stopped, 143)
+
+    resumed = finish(start(tmp_path, ledger_data, *streamed, "scaling.num_workers=1", "train.resume=true"))
+    assert "continuing at epoch 2/2 after its step" in resumed and "on 1 worker" in resumed
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED" and [s for s, _ in history(client, run, "val_loss")] == [0, 1]
+    *first_group, last = [w["pid"] for w in workers(tmp_path)]
+    assert_each_row_once(*(epochs_of(pid, tmp_path) for pid in first_group), epochs_of(last, tmp_path, first=1))
+
+
+@pytest.mark.slow  # runs the command, which starts Ray
+def test_a_worker_killed_without_notice_restarts_from_the_latest_step_checkpoint(tmp_path, ledger_data):
+    """train.checkpoint_every=10 steps, 2 workers: rank 1 SIGKILLed mid-epoch 2 (no notice). The worker group
+    restarts from the latest step checkpoint (at most 10 steps back, train.max_failures=1); dropping the steps the
+    killed group took past it, every row is trained on once per epoch. With num_to_keep=1 by val_accuracy, Ray
+    keeps the best epoch's checkpoint and the latest: the step checkpoints go."""
+    every = 10
+    process = start(
+        tmp_path,
+        ledger_data,
+        "scaling.num_workers=2",
+        f"train.checkpoint_every={every}",
+        "train.max_failures=1",
+        "train.num_to_keep=1",
+        "train.checkpoint_metric=val_accuracy",
+    )
+    per_epoch = TRAIN_ROWS // BATCH
+    rank0, rank1 = workers(tmp_path)
+    wait_for_step(tmp_path, rank1["pid"], per_epoch + per_epoch // 2 + 3)
+    killed_at = forwards(tmp_path / "ledger" / f"{rank1['pid']}.log")
+    psutil.Process(rank1["pid"]).kill()
+    finish(process)
+
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    (restored,) = history(client, run, "restored_at_step")
+    assert killed_at - every <= restored[1] <= killed_at, (killed_at, restored)
+    kept_steps = int(restored[1]) - per_epoch  # epoch 2's steps the checkpoint kept
+    *_, new0, new1 = [w["pid"] for w in workers(tmp_path)]
+    assert_each_row_once(
+        epochs_of(rank0["pid"], tmp_path, keep_last=kept_steps),
+        epochs_of(rank1["pid"], tmp_path, keep_last=kept_steps),
+        epochs_of(new0, tmp_path, first=1),
+        epochs_of(new1, tmp_path, first=1),
+    )
+    storage = next((tmp_path / "run" / "checkpoints").iterdir())
+    kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+    reports = [json.loads((storage / c["checkpoint_dir_name"] / "report.json").read_text()) for c in kept]
+    assert all("epoch_step" not in report for report in reports) and {r["epoch"] for r in reports} <= {0, 1}
+
+
+def test_the_ledger_counts_rows_over_workers_and_packs_those_trained_on_as_bits():
+    """Rows are numbered by row group in file order; the bits a checkpoint keeps are the rows counted, and a
+    resumed epoch's ledger starts with them, counted once (on rank 0)."""
+    groups = [type("Group", (), {"rows": n})() for n in (3, 5, 2)]
+    assert row_numbers(groups).tolist() == [0, 3, 8, 10]
+    ledger = Ledger(10, torch.device("cpu"), rank=0)
+    ledger.add({ROW: torch.tensor([7, 2, 9])})
+    ledger.add({"x": torch.zeros(2)})  # a batch without row numbers (validation's) counts nothing
+    bits = ledger.trained()
+    assert trained(bits, np.arange(10)).tolist() == [i in (2, 7, 9) for i in range(10)]
+    assert Ledger(10, torch.device("cpu"), rank=0, start=bits).gathered().tolist() == [
+        int(i in (2, 7, 9)) for i in range(10)
+    ]
+    assert Ledger(10, torch.device("cpu"), rank=1, start=bits).gathered().sum() == 0
+
+
+def test_row_numbers_pass_steps_that_return_only_their_columns_and_a_step_that_drops_them_with_rows_fails():
+    keep = ["features", "label"]
+    own = TransformSpec(fn={"_target_": "test_preemption.only_features"})
+    batch = {"features": np.arange(4.0), "label": np.arange(4), "other": np.zeros(4), ROW: np.array([5, 1, 8, 2])}
+    assert Steps({"own": own}, [], keep)(dict(batch))[ROW].tolist() == [5, 1, 8, 2]
+    dropping = TransformSpec(fn={"_target_": "test_preemption.first_two_rows"})
+    with pytest.raises(PipelineError, match=f"dropped rows and the column '{ROW}' with them"):
+        Steps({"drop": dropping}, [], keep)(dict(batch))
+
+
+def only_features(batch: dict) -> dict:
+    return {"features": batch["features"] * 2, "label": batch["label"]}
+
+
+def first_two_rows(batch: dict) -> dict:
+    return {"features": batch["features"][:2], "label": batch["label"][:2]}
+
+
+def test_a_checkpoint_within_an_epoch_stands_after_the_epoch_before_and_before_its_own_end(tmp_path):
+    """The newest whole checkpoint, by place: epoch 1's step 30 after epoch 0's end and epoch 1's step 20."""
+    for name, report in [
+        ("a", {"epoch": 0}),
+        ("b", {"epoch": 1, "epoch_step": 30}),
+        ("c", {"epoch": 1, "epoch_step": 20}),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpoint.pt").write_bytes(b"x")
+        checkpoint.write_report(str(tmp_path / name), report, {"checkpoint.pt": 1})
+    assert [Path(path).name for path, _ in checkpoint.reports(pafs.LocalFileSystem(), str(tmp_path))] == ["a", "c", "b"]
+    assert Path(checkpoint.newest(pafs.LocalFileSystem(), str(tmp_path))).name == "b"
+    assert checkpoint.place({"epoch": 1}) > checkpoint.place({"epoch": 1, "epoch_step": 10**9})
+
+
+def test_an_epoch_resumed_from_a_checkpoint_within_it_reports_the_whole_epochs_figures():
+    """Six batches in one pass, and three, a checkpoint's carried sums, then three more: the same epoch figures."""
+    batches = [(torch.tensor(0.5 + i), torch.tensor([i % 3, (i + 1) % 3])) for i in range(6)]
+
+    def run(telemetry: EpochTelemetry, part) -> EpochTelemetry:
+        for step, (loss, labels) in part:
+            telemetry.batch(step, loss, len(labels))
+            telemetry.batch_labels(labels)
+        return telemetry
+
+    whole = run(EpochTelemetry(torch.device("cpu"), classes=3), enumerate(batches, 1)).totals()
+    first = run(EpochTelemetry(torch.device("cpu"), classes=3), enumerate(batches[:3], 1))
+    resumed = EpochTelemetry(torch.device("cpu"), classes=3)
+    resumed.resume(first.carried(), rank=0)
+    rest = run(resumed, enumerate(batches[3:], 4)).totals()
+    for key in ("train_loss", "train_rows", "label_mix"):
+        assert rest[key] == pytest.approx(whole[key]), key
