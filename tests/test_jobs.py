@@ -206,9 +206,10 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     head, project, tracking_server, s3_endpoint, deterministic_run, tmp_path
 ):
     """Data and checkpoints on S3, the run on the tracking server. ``ray job stop`` during epoch 2, with Ray's
-    defaults (SIGKILL 3 s after SIGTERM): the run is KILLED in MLflow by the time ``ray job stop`` returns;
-    the same job submitted again with train.resume=true continues that run, every epoch its checkpoints
-    hold in MLflow once, and ends where an uninterrupted run from local files does. The AWS secret is
+    defaults (SIGKILL 3 s after SIGTERM): the workers checkpoint at the step they are on and the run is KILLED in
+    MLflow by the time ``ray job stop`` returns; the same job submitted again with train.resume=true continues that
+    run from that step, every epoch its checkpoints hold in MLflow once, and ends where an uninterrupted run from
+    local files does. The AWS secret is
     nowhere: the jobs' logs, the run's params and config, the head's Ray logs."""
     command = [
         "python",
@@ -286,7 +287,10 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     (restored,) = [m.step for m in client.get_metric_history(run.info.run_id, "restores")]
     # from the newest checkpoint, or the one before when the stop cut the newest's copy short
     assert restored in (newest, newest + 1), f"restored at epoch {restored}, newest checkpoint {newest}"
-    assert f"continuing at epoch {restored + 1}/3" in output, output[-3000:]
+    # the workers checkpointed at the step they were on within Ray's 3 s: the resume goes on from that step
+    assert f"continuing at epoch {restored + 1}/3 after its step" in output, output[-3000:]
+    (step,) = [m.value for m in client.get_metric_history(run.info.run_id, "restored_at_step")]
+    assert step > restored * (512 // 16), step  # past the epoch's start: 512 rows a worker, batches of 16
     assert run.data.params["source.train"] == "s3://data/cifar10/train"
 
     # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
