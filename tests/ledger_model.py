@@ -1,6 +1,7 @@
 """A model for the preemption tests that keeps a ledger: each training forward appends the row numbers it saw
 (the first feature column holds each row's number) to a file per process, each validation pass a ``V``, so a test
-can tell, epoch by epoch, which rows every step trained on. ``delay_s`` slows each step, so a stop lands mid-epoch.
+can tell, epoch by epoch, which rows every step trained on. ``delay_s`` slows each step, so a stop lands mid-epoch;
+``valid_delay_s`` each validation batch, so that one lands in validation.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import torch
 
 
 class LedgerModel(torch.nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, log_dir: str, delay_s: float = 0.0):
+    def __init__(
+        self, in_channels: int, num_classes: int, log_dir: str, delay_s: float = 0.0, valid_delay_s: float = 0.0
+    ):
         super().__init__()
         self.linear = torch.nn.Linear(in_channels - 1, num_classes)
-        self.log_dir, self.delay_s = log_dir, delay_s
+        self.log_dir, self.delay_s, self.valid_delay_s = log_dir, delay_s, valid_delay_s
         self.validating = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,5 +30,5 @@ class LedgerModel(torch.nn.Module):
             elif not self.validating:
                 out.write("V\n")
                 self.validating = True
-        time.sleep(self.delay_s if self.training else 0.0)
+        time.sleep(self.delay_s if self.training else self.valid_delay_s)
         return self.linear(x[:, 1:])

@@ -208,6 +208,31 @@ def test_a_run_stopped_mid_epoch_resumes_at_its_step_each_row_once_and_ends_wher
 
 
 @pytest.mark.slow  # runs the command, which starts Ray
+def test_a_stop_during_validation_saves_the_epochs_steps_and_the_resume_validates_them(tmp_path, ledger_data):
+    """SIGTERM while epoch 1 validates (slowly): validation stops, the checkpoint holds every step of epoch 1; the
+    resumed run trains no row of epoch 1 again, validates it, logs it once, then trains epoch 2."""
+    slow = ["scaling.num_workers=1", "+model.valid_delay_s=0.5", "tracking.run_name=validating"]
+    stopped = start(tmp_path, ledger_data, *slow)
+    (worker,) = workers(tmp_path)
+    ledger, deadline = tmp_path / "ledger" / f"{worker['pid']}.log", time.monotonic() + 180
+    while not (ledger.exists() and "V" in ledger.read_text().split()):
+        assert time.monotonic() < deadline, "epoch 1 never validated"
+        time.sleep(0.02)
+    stopped.send_signal(signal.SIGTERM)
+    assert "stopping: checkpointed at epoch 1, step 50" in finish(stopped, 143)
+
+    resumed = finish(start(tmp_path, ledger_data, *slow, "train.resume=true"))
+    assert "continuing at epoch 1/2 after its step 50 on 1 worker" in resumed
+    client, run = the_run(tmp_path)
+    assert [s for s, _ in history(client, run, "val_loss")] == [0, 1]
+    assert [s for s, _ in history(client, run, "train_rows")] == [0, 1] and history(client, run, "train_rows")[0][
+        1
+    ] == TRAIN_ROWS
+    first, second = [w["pid"] for w in workers(tmp_path)]
+    assert_each_row_once(epochs_of(first, tmp_path), epochs_of(second, tmp_path, first=1))
+
+
+@pytest.mark.slow  # runs the command, which starts Ray
 def test_a_streamed_run_stopped_on_two_workers_resumes_on_one_each_row_once(tmp_path, ledger_data):
     """The training split streamed (not cached), shuffled, on 2 workers: SIGTERM mid-epoch 2, resumed on 1 worker
     (the global batch kept): each row of every epoch trained on once, and the run finishes."""

@@ -14,7 +14,7 @@ from conftest import free_port
 from pipeline.common.metrics import epoch_metrics
 from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.data.source import Layout
-from pipeline.training import preemption
+from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ledger import Ledger
 from pipeline.training.precision import autocast_settings
@@ -27,11 +27,12 @@ CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 
 
 def one_epoch(replica, batches, cfg, epoch: int, steps: int):
-    """``train_epoch`` as the worker calls it for an epoch not resumed, with no checkpoint within it due."""
+    """``train_epoch`` as the worker calls it for an epoch not resumed, with no checkpoint within it due; the
+    epoch's figures as the worker reports them."""
     checkpoints = StepCheckpoints(
         due=preemption.Due(cfg.train, None), replica=replica, stopper=None, notice=None, cfg=cfg, rank=0
     )
-    return train_epoch(
+    telemetry, _ = train_epoch(
         replica,
         batches,
         cfg,
@@ -42,6 +43,7 @@ def one_epoch(replica, batches, cfg, epoch: int, steps: int):
         checkpoints=checkpoints,
         resumed=None,
     )
+    return telemetry.totals() | parallel.memory(replica.model, replica.optimizer)
 
 
 def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):

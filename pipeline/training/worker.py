@@ -15,6 +15,7 @@ import hashlib
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,21 +104,28 @@ def train_loop_per_worker(config: dict) -> None:
     for epoch in range(start, epochs):
         batches = first_batches if epoch == start else train_batches(cfg, epoch, coordinator, device, world_size)
         resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
-        metrics = train_epoch(
+        ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
+        trained = train_epoch(
             replica,
             batches,
             cfg,
             epoch=epoch,
             steps=EpochSteps.of(cfg, job.train_rows, world_size, resumed),
             progress=progress,
-            ledger=Ledger(job.train_rows, device, rank, resumed.trained if resumed else None),
+            ledger=ledger,
             checkpoints=checkpoints,
             resumed=resumed.figures if resumed else None,
         )
-        if metrics is None:  # the command is stopping: the checkpoint is saved
+        if trained is None:  # the command is stopping: the checkpoint is saved
             return
+        telemetry, step = trained
+        metrics = telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
         valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
-        metrics |= validate(replica, valid)
+        scores = validate(replica, valid, checkpoints.notice_seen)
+        if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
+            checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
+            return
+        metrics |= scores
         # every rank holds the same all-reduced metrics, so every rank decides alike
         stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
         metrics |= {
@@ -155,13 +163,13 @@ def train_epoch(
     ledger: Ledger,
     checkpoints: StepCheckpoints,
     resumed: dict | None,
-) -> dict | None:
-    """One pass over the worker's training shard (steps ``done + 1`` to ``last``); its figures over all workers
-    (:class:`pipeline.training.telemetry.EpochTelemetry`, with the figures of the steps ``resumed`` from), or None
-    when the command is stopping and the step's checkpoint is saved. ``progress`` (rank 0) gets the step and batch
-    loss once a second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the global step).
-    After an optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of the rows
-    trained on.
+) -> tuple[EpochTelemetry, int] | None:
+    """One pass over the worker's training shard (steps ``done + 1`` to ``last``): its figures
+    (:class:`pipeline.training.telemetry.EpochTelemetry`, with those of the steps ``resumed`` from) and its last
+    step, or None when the command is stopping and the step's checkpoint is saved. ``progress`` (rank 0) gets the
+    step and batch loss once a second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the
+    global step). After an optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of
+    the rows trained on.
 
     The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
     fewer batches than ``last`` (rows skipped by a transform), what they accumulated after the last step
@@ -174,6 +182,7 @@ def train_epoch(
     if resumed is not None:
         telemetry.resume(resumed, checkpoints.rank)
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
+    step = steps.done  # a resumed epoch may have no batch left: it only validates
     for step, batch in enumerate(telemetry.timed(batches), start=steps.done + 1):
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
@@ -203,12 +212,13 @@ def train_epoch(
             f"{replica.optimizer.param_groups[0]['lr']:g}). Lower optim.lr, clip the gradients with "
             "train.grad_clip, or skip such steps with train.on_nonfinite=skip."
         )
-    return telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
+    return telemetry, step
 
 
 @torch.no_grad()
-def validate(replica: Replica, batches: Iterable[dict]) -> dict:
-    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided."""
+def validate(replica: Replica, batches: Iterable[dict], stop: threading.Event | None = None) -> dict | None:
+    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided. None
+    when ``stop`` was set while a worker read its batches (the command is stopping: every rank agrees first)."""
     features, labels = replica.layout.model_input, replica.layout.label
     model, task = replica.module.eval(), replica.task
     rank0_buffers(model)
@@ -224,7 +234,11 @@ def validate(replica: Replica, batches: Iterable[dict]) -> dict:
         for name, value in task.sums(outputs, batch[labels]).items():
             sums[name] += value.double()
         count += rows
+        if stop is not None and stop.is_set():
+            break
     parallel.reshard(model)
+    if stop is not None and sum_over_workers([stop.is_set()], device)[0]:
+        return None
     *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
     values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
     return values | {"val_rows": int(count)}
@@ -283,13 +297,25 @@ class StepCheckpoints:
     cfg: PipelineConfig
     rank: int
 
+    @property
+    def notice_seen(self) -> threading.Event | None:
+        """Set once the driver's notice is seen: validation stops reading at it, except a sharded model's (its
+        ranks gather each forward's weights together, so none may stop on its own)."""
+        return None if parallel.is_sharded(self.replica.model) else self.due.stopping
+
     def taken(self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger]) -> bool:
         """After the optimizer step ``step`` of ``epoch``: a checkpoint when one is due; True when the command is
         stopping (it is saved, and the driver told)."""
+        due, stopping = self.due.check(global_step // self.cfg.train.accumulate)
+        if due:
+            self.save(epoch=epoch, step=step, global_step=global_step, within=within, stopping=stopping)
+        return stopping
+
+    def save(
+        self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger], stopping: bool = True
+    ) -> None:
+        """The checkpoint after ``step`` of ``epoch`` (a collective), the driver told when the command is stopping."""
         train = self.cfg.train
-        due, stopping = self.due.check(global_step // train.accumulate)
-        if not due:
-            return False
         telemetry, ledger = within
         metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank}
         if train.checkpoint_metric is not None:  # not measured: Ray Train ranks NaN below every score
@@ -301,7 +327,6 @@ class StepCheckpoints:
         if stopping and self.rank == 0:
             saved = StepCheckpointed(epoch=epoch, step=step, global_step=global_step, checkpoint=None)
             ray.get(self.notice.checkpointed.remote(saved))
-        return stopping
 
 
 def train_batches(
