@@ -27,7 +27,16 @@ from report import COMPARISON_HEADER, OUT_DIR, comparison_cells, span, spread
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES, PAGE, README = ROOT / "docs" / "figures.json", ROOT / "docs" / "figures.md", ROOT / "README.md"
 QUICK = ("train.py", "ingest.py", "startup.py")
-REST = ("step.py", "sweep_overhead.py", "tune_sweep.py", "shuffle.py", "cluster.py", "checkpoint.py", "levers.py")
+REST = (
+    "step.py",
+    "sweep_overhead.py",
+    "tune_sweep.py",
+    "shuffle.py",
+    "cluster.py",
+    "checkpoint.py",
+    "levers.py",
+    "preemption.py",
+)
 MARKERS = ("<!-- figures: written by bench/all.py from docs/figures.json -->", "<!-- /figures -->")
 EARLIER_GPU = (
     "No GPU has run these baselines yet. The earlier H100 figures (docs/performance.md#on-a-gpu) were taken with "
