@@ -226,6 +226,9 @@ class JobEvents:
         self.progress.epoch_done(event.ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:
+        # the workers restore from the newest whole checkpoint in storage: its epoch's report may never have come
+        for path, metrics in self.tracker.epochs.reconcile(self.tracker.storage):
+            append_record(self.run_dir, "metrics.jsonl", {"checkpoint": path, "ranks": [metrics]})
         self.tracker.epochs.log_restore(event.epoch, event.global_step)
         self.progress.restored(event.epoch, event.workers, event.step)
 

@@ -104,21 +104,23 @@ class EpochLog:
             )
         self.last = metrics
 
-    def reconcile(self, storage: RunStorage | None) -> None:
+    def reconcile(self, storage: RunStorage | None) -> list[tuple[str, dict]]:
         """Log each epoch whose checkpoint Ray Train persisted but whose report never reached the driver (a
-        signal or a crash between the two): every checkpoint's epoch is in MLflow, once, resumed or not."""
+        signal or a crash between the two, a worker group torn down before Ray took its report): every
+        checkpoint's epoch is in MLflow, once, resumed or not. The checkpoints and reports it logged."""
         if storage is None:
-            return
+            return []
+        logged = []
         for path, metrics in checkpoint.reports(storage.filesystem, f"{storage.path}/{storage.name}"):
-            finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+            finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))  # NaN failed the run
             within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
-            if (
-                metrics["epoch"] not in self.logged and finite and not within
-            ):  # NaN failed the run before it reached MLflow
+            if metrics["epoch"] not in self.logged and finite and not within:
                 log.warning(
                     "epoch %d: logged from its checkpoint's report; it never reached the driver", metrics["epoch"] + 1
                 )
                 self.log_epoch(metrics, path)
+                logged.append((path, metrics))
+        return logged
 
     def log_step_loss(self, loss: float, global_step: int) -> None:
         """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
