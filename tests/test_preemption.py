@@ -1,7 +1,7 @@
-"""A preemption costs a step, not an epoch: runs stopped mid-epoch (SIGTERM: a notice) or with a worker SIGKILLed
-(no notice) continue from the step they reached, and a ledger kept by the model itself (each training forward
-appends the row numbers it saw: tests/ledger_model.py) shows every row trained on once per epoch, on the same or
-another number of workers. (``ray job stop`` with Ray's defaults, mid-epoch: the S3 job in test_jobs.py.)
+"""A preemption costs a step, not an epoch: runs stopped mid-epoch or while validating (SIGTERM: a notice) or with
+a worker SIGKILLed (no notice) continue from the step they reached, and a ledger kept by the model itself (each
+training forward appends the row numbers it saw: tests/ledger_model.py) shows every row trained on once per epoch,
+on the same or another number of workers. (``ray job stop`` with Ray's defaults, mid-epoch: the S3 job in test_jobs.py.)
 """
 
 from __future__ import annotations
@@ -114,13 +114,14 @@ def wait_for_step(tmp_path: Path, pid: int, steps: int, timeout_s: float = 180.0
         time.sleep(0.02)
 
 
-def workers(tmp_path: Path) -> list[dict]:
-    """The run's workers.jsonl: every worker group's ranks and pids, in the order they started."""
+def workers(tmp_path: Path, count: int = 1) -> list[dict]:
+    """The run's workers.jsonl once it names ``count`` workers: every worker group's ranks and pids, in the order
+    they started."""
     path, deadline = tmp_path / "run" / "workers.jsonl", time.monotonic() + 180
-    while not path.exists():
-        assert time.monotonic() < deadline, "no worker started"
+    while len(started := path.read_text().splitlines() if path.exists() else []) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} workers started"
         time.sleep(0.05)
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in started]
 
 
 def epochs_of(pid: int, tmp_path: Path, first: int = 0, keep_last: int | None = None) -> dict[int, list[int]]:
@@ -163,129 +164,104 @@ def final_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(path, "the run's last checkpoint")["model"]
 
 
+def wait_for_validation(tmp_path: Path, pid: int, timeout_s: float = 180.0) -> None:
+    """Until the worker process ``pid`` validates."""
+    ledger, deadline = tmp_path / "ledger" / f"{pid}.log", time.monotonic() + timeout_s
+    while not (ledger.exists() and "V" in ledger.read_text().split()):
+        assert time.monotonic() < deadline, f"worker {pid} never validated"
+        time.sleep(0.02)
+
+
 @pytest.mark.slow  # runs the command, which starts Ray
-def test_a_run_stopped_mid_epoch_resumes_at_its_step_each_row_once_and_ends_where_an_uninterrupted_one_does(
+def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_an_uninterrupted_one_does(
     tmp_path, ledger_data
 ):
-    """One worker, rows in block order: two uninterrupted runs compute the same weights. SIGTERM halfway through
-    epoch 2: the workers checkpoint at the step they are on, the run ends KILLED; resumed, it continues after that
-    step, trains on each of the epoch's other rows once, logs the epoch once with the whole epoch's figures, and
-    ends with the uninterrupted run's weights."""
+    """One worker, rows in block order: two uninterrupted runs compute the same weights. SIGTERM while epoch 1
+    validates (slowly): validation stops and the checkpoint holds all of epoch 1's steps. Resumed, the run trains
+    no row of epoch 1 again and validates it; SIGTERM halfway through epoch 2: the worker checkpoints at the step it
+    is on. Resumed again, it continues after that step. Each time the run ends KILLED; in the end each row was
+    trained on once per epoch, each epoch is logged once with the whole epoch's figures, the step losses go on from
+    the step reached, and the weights are the uninterrupted run's."""
     deterministic = ["scaling.num_workers=1", "ingest.preserve_order=true"]
     straight = tmp_path / "straight"
     straight.mkdir()
     finish(start(straight, ledger_data, *deterministic))
     straight_client, uninterrupted = the_run(straight)
-
-    stopped = start(tmp_path, ledger_data, *deterministic, "tracking.run_name=stopped")
     per_epoch = TRAIN_ROWS // BATCH
-    (worker,) = workers(tmp_path)
-    wait_for_step(tmp_path, worker["pid"], per_epoch + per_epoch // 2)
-    stopped.send_signal(signal.SIGTERM)
-    output = finish(stopped, 143)
+
+    stopped = ["+model.valid_delay_s=0.3", "tracking.run_name=stopped", *deterministic]
+    first = start(tmp_path, ledger_data, *stopped)
+    wait_for_validation(tmp_path, workers(tmp_path)[0]["pid"])
+    first.send_signal(signal.SIGTERM)
+    assert f"stopping: checkpointed at epoch 1, step {per_epoch}" in finish(first, 143)
+
+    second = start(tmp_path, ledger_data, *stopped, "train.resume=true")
+    wait_for_step(tmp_path, workers(tmp_path, 2)[1]["pid"], per_epoch // 2)
+    second.send_signal(signal.SIGTERM)
+    output = finish(second, 143)
+    assert f"continuing at epoch 1/2 after its step {per_epoch} on 1 worker" in output
     client, run = the_run(tmp_path)
     assert run.info.status == "KILLED"
-    (saved,) = history(client, run, "checkpoint_step")  # the stop's checkpoint: mid-epoch 2
-    assert "stopping: checkpointed at epoch 2" in output and per_epoch < saved[0] < 2 * per_epoch
+    (_, validated), (saved, _) = history(client, run, "checkpoint_step")  # the two stops' checkpoints
+    assert "stopping: checkpointed at epoch 2" in output and validated == per_epoch < saved < 2 * per_epoch
 
-    resumed = finish(start(tmp_path, ledger_data, *deterministic, "tracking.run_name=stopped", "train.resume=true"))
+    resumed = finish(start(tmp_path, ledger_data, *stopped, "train.resume=true"))
     client, run = the_run(tmp_path)
     assert run.info.status == "FINISHED"
-    assert f"continuing at epoch 2/2 after its step {saved[0] - per_epoch} on 1 worker" in resumed
-    assert history(client, run, "restored_at_step") == [(1, saved[0])]
-    first, second = [w["pid"] for w in workers(tmp_path)]
-    assert_each_row_once(epochs_of(first, tmp_path), epochs_of(second, tmp_path, first=1))
-    # the step losses go on from the step reached, each logged once
+    assert f"continuing at epoch 2/2 after its step {saved - per_epoch} on 1 worker" in resumed
+    assert history(client, run, "restored_at_step") == [(1, per_epoch), (2, saved)]
+    first_pid, second_pid, last_pid = [w["pid"] for w in workers(tmp_path)]
+    assert_each_row_once(
+        epochs_of(first_pid, tmp_path), epochs_of(second_pid, tmp_path, first=1), epochs_of(last_pid, tmp_path, first=1)
+    )
     steps = [step for step, _ in history(client, run, "train_loss_step")]
-    assert steps == list(range(5, 2 * per_epoch + 1, 5))
+    assert steps == list(range(5, 2 * per_epoch + 1, 5))  # each logged once, going on from the step reached
     for key in ("train_loss", "val_loss", "train_rows"):  # each epoch once, the whole epoch's figures
         ours, theirs = history(client, run, key), history(straight_client, uninterrupted, key)
-        assert [s for s, _ in ours] == [0, 1] and np.allclose(
-            [v for _, v in ours], [v for _, v in theirs], atol=1e-6
-        ), key
+        assert [s for s, _ in ours] == [0, 1], key
+        assert np.allclose([v for _, v in ours], [v for _, v in theirs], atol=1e-6), key
     expected, got = final_weights(straight), final_weights(tmp_path)
     assert all(torch.allclose(expected[name], got[name], atol=1e-6) for name in expected)
 
 
 @pytest.mark.slow  # runs the command, which starts Ray
-def test_a_stop_during_validation_saves_the_epochs_steps_and_the_resume_validates_them(tmp_path, ledger_data):
-    """SIGTERM while epoch 1 validates (slowly): validation stops, the checkpoint holds every step of epoch 1; the
-    resumed run trains no row of epoch 1 again, validates it, logs it once, then trains epoch 2."""
-    slow = ["scaling.num_workers=1", "+model.valid_delay_s=0.5", "tracking.run_name=validating"]
-    stopped = start(tmp_path, ledger_data, *slow)
-    (worker,) = workers(tmp_path)
-    ledger, deadline = tmp_path / "ledger" / f"{worker['pid']}.log", time.monotonic() + 180
-    while not (ledger.exists() and "V" in ledger.read_text().split()):
-        assert time.monotonic() < deadline, "epoch 1 never validated"
-        time.sleep(0.02)
-    stopped.send_signal(signal.SIGTERM)
-    assert "stopping: checkpointed at epoch 1, step 50" in finish(stopped, 143)
-
-    resumed = finish(start(tmp_path, ledger_data, *slow, "train.resume=true"))
-    assert "continuing at epoch 1/2 after its step 50 on 1 worker" in resumed
-    client, run = the_run(tmp_path)
-    assert [s for s, _ in history(client, run, "val_loss")] == [0, 1]
-    assert [s for s, _ in history(client, run, "train_rows")] == [0, 1] and history(client, run, "train_rows")[0][
-        1
-    ] == TRAIN_ROWS
-    first, second = [w["pid"] for w in workers(tmp_path)]
-    assert_each_row_once(epochs_of(first, tmp_path), epochs_of(second, tmp_path, first=1))
-
-
-@pytest.mark.slow  # runs the command, which starts Ray
-def test_a_streamed_run_stopped_on_two_workers_resumes_on_one_each_row_once(tmp_path, ledger_data):
-    """The training split streamed (not cached), shuffled, on 2 workers: SIGTERM mid-epoch 2, resumed on 1 worker
-    (the global batch kept): each row of every epoch trained on once, and the run finishes."""
-    streamed = ["ingest.cache=false", "tracking.run_name=moved"]
-    stopped = start(tmp_path, ledger_data, *streamed, "scaling.num_workers=2")
-    per_epoch = TRAIN_ROWS // BATCH  # steps of a worker: each takes half of every global batch of half the rows
-    ranks = workers(tmp_path)
-    wait_for_step(tmp_path, ranks[0]["pid"], per_epoch + per_epoch // 3)
-    stopped.send_signal(signal.SIGTERM)
-    finish(stopped, 143)
-
-    resumed = finish(start(tmp_path, ledger_data, *streamed, "scaling.num_workers=1", "train.resume=true"))
-    assert "continuing at epoch 2/2 after its step" in resumed and "on 1 worker" in resumed
-    client, run = the_run(tmp_path)
-    assert run.info.status == "FINISHED" and [s for s, _ in history(client, run, "val_loss")] == [0, 1]
-    *first_group, last = [w["pid"] for w in workers(tmp_path)]
-    assert_each_row_once(*(epochs_of(pid, tmp_path) for pid in first_group), epochs_of(last, tmp_path, first=1))
-
-
-@pytest.mark.slow  # runs the command, which starts Ray
-def test_a_worker_killed_without_notice_restarts_from_the_latest_step_checkpoint(tmp_path, ledger_data):
-    """train.checkpoint_every=10 steps, 2 workers: rank 1 SIGKILLed mid-epoch 2 (no notice). The worker group
-    restarts from the latest step checkpoint (at most 10 steps back, train.max_failures=1); dropping the steps the
-    killed group took past it, every row is trained on once per epoch. With num_to_keep=1 by val_accuracy, Ray
-    keeps the best epoch's checkpoint and the latest: the step checkpoints go."""
-    every = 10
-    process = start(
-        tmp_path,
-        ledger_data,
-        "scaling.num_workers=2",
+def test_a_streamed_run_restarts_after_a_kill_and_resumes_on_another_worker_count_each_row_once(tmp_path, ledger_data):
+    """The training split streamed (not cached), shuffled, on 2 workers, train.checkpoint_every=10 steps. Rank 1
+    SIGKILLed mid-epoch 1 (no notice): the worker group restarts from the latest step checkpoint, at most 10 steps
+    back (train.max_failures=1). SIGTERM mid-epoch 2, resumed on 1 worker (the global batch kept): dropping the
+    steps the killed group took past its checkpoint, each row of every epoch was trained on once, each epoch is
+    logged once, and Ray kept the best epoch's checkpoint and the latest (num_to_keep=1 by val_accuracy): no step
+    checkpoint."""
+    every, per_epoch = 10, TRAIN_ROWS // BATCH  # a worker's steps: half of each global batch, half the rows
+    run = [
+        "ingest.cache=false",
         f"train.checkpoint_every={every}",
         "train.max_failures=1",
         "train.num_to_keep=1",
         "train.checkpoint_metric=val_accuracy",
-    )
-    per_epoch = TRAIN_ROWS // BATCH
-    rank0, rank1 = workers(tmp_path)
-    wait_for_step(tmp_path, rank1["pid"], per_epoch + per_epoch // 2 + 3)
-    killed_at = forwards(tmp_path / "ledger" / f"{rank1['pid']}.log")
-    psutil.Process(rank1["pid"]).kill()
-    finish(process)
+        "tracking.run_name=moved",
+    ]
+    process = start(tmp_path, ledger_data, *run, "scaling.num_workers=2")
+    rank1 = next(w["pid"] for w in workers(tmp_path, 2) if w["rank"] == 1)
+    wait_for_step(tmp_path, rank1, per_epoch // 2 + 3)
+    killed_at = forwards(tmp_path / "ledger" / f"{rank1}.log")
+    psutil.Process(rank1).kill()
+    restarted_group = workers(tmp_path, 4)[2:]
+    wait_for_step(tmp_path, restarted_group[0]["pid"], per_epoch // 3 + per_epoch // 2)  # in epoch 2 by then
+    process.send_signal(signal.SIGTERM)
+    finish(process, 143)
 
+    resumed = finish(start(tmp_path, ledger_data, *run, "scaling.num_workers=1", "train.resume=true"))
+    assert "continuing at epoch 2/2 after its step" in resumed and "on 1 worker" in resumed
     client, run = the_run(tmp_path)
-    assert run.info.status == "FINISHED"
-    (restored,) = history(client, run, "restored_at_step")
-    assert killed_at - every <= restored[1] <= killed_at, (killed_at, restored)
-    kept_steps = int(restored[1]) - per_epoch  # epoch 2's steps the checkpoint kept
-    *_, new0, new1 = [w["pid"] for w in workers(tmp_path)]
+    assert run.info.status == "FINISHED" and [s for s, _ in history(client, run, "val_loss")] == [0, 1]
+    (_, restarted), _ = history(client, run, "restored_at_step")
+    assert killed_at - every <= restarted <= killed_at, (killed_at, restarted)
+    *group, last = [w["pid"] for w in workers(tmp_path)]
     assert_each_row_once(
-        epochs_of(rank0["pid"], tmp_path, keep_last=kept_steps),
-        epochs_of(rank1["pid"], tmp_path, keep_last=kept_steps),
-        epochs_of(new0, tmp_path, first=1),
-        epochs_of(new1, tmp_path, first=1),
+        *(epochs_of(pid, tmp_path, keep_last=int(restarted)) for pid in group[:2]),
+        *(epochs_of(pid, tmp_path) for pid in group[2:]),
+        epochs_of(last, tmp_path, first=1),
     )
     storage = next((tmp_path / "run" / "checkpoints").iterdir())
     kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]

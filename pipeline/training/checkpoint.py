@@ -17,6 +17,7 @@ import io
 import json
 import os
 import pickle
+import sys
 import tempfile
 
 import numpy as np
@@ -25,6 +26,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.metrics import lower_is_better
+from pipeline.config import TaskConfig, TrainConfig
 from pipeline.training.events import STEP_KEY
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -144,3 +147,18 @@ def is_checkpoint(state: dict) -> bool:
     """Whether ``state`` is a whole pipeline checkpoint (its model's state dict under ``model``) rather than
     a bare state dict, whose values are tensors."""
     return isinstance(state.get("model"), dict)
+
+
+def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:
+    """``train.checkpoint_mode``, or, when null, min for a loss or an error metric and max otherwise."""
+    if train.checkpoint_mode is not None:
+        return train.checkpoint_mode
+    metric = train.checkpoint_metric
+    return "min" if metric is not None and lower_is_better(task.type, task.metrics, metric) else "max"
+
+
+def unscored(train: TrainConfig, task: TaskConfig) -> float:
+    """The ``train.checkpoint_metric`` a checkpoint within an epoch reports (it has no validation): below every
+    epoch's score, so Ray Train lets it go first. Finite: Ray's record of its checkpoints turns NaN and inf into
+    null, which a resumed run cannot rank."""
+    return sys.float_info.max if checkpoint_mode(train, task) == "min" else -sys.float_info.max

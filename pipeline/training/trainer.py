@@ -24,11 +24,10 @@ from ray.util.queue import Queue
 
 from pipeline.common import signals
 from pipeline.common.errors import PipelineError, root_cause
-from pipeline.common.metrics import lower_is_better
-from pipeline.config import PipelineConfig, ScalingConfig, Strategy, TaskConfig, TrainConfig
+from pipeline.config import PipelineConfig, ScalingConfig, Strategy
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import finetune, preemption
+from pipeline.training import checkpoint, finetune, preemption
 from pipeline.training.finetune import Initial
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.resume import steps_per_epoch
@@ -102,20 +101,12 @@ def build_trainer(
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.train.num_to_keep,
                 checkpoint_score_attribute=cfg.train.checkpoint_metric,
-                checkpoint_score_order=checkpoint_mode(cfg.train, cfg.task),
+                checkpoint_score_order=checkpoint.checkpoint_mode(cfg.train, cfg.task),
             ),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             callbacks=[ReportRelay(events), *callbacks],
         ),
     )
-
-
-def checkpoint_mode(train: TrainConfig, task: TaskConfig) -> str:
-    """``train.checkpoint_mode``, or, when null, min for a loss or an error metric and max otherwise."""
-    if train.checkpoint_mode is not None:
-        return train.checkpoint_mode
-    metric = train.checkpoint_metric
-    return "min" if metric is not None and lower_is_better(task.type, task.metrics, metric) else "max"
 
 
 def epoch_steps(cfg: PipelineConfig, data: TrainingData) -> int:

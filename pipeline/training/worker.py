@@ -318,8 +318,8 @@ class StepCheckpoints:
         train = self.cfg.train
         telemetry, ledger = within
         metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank}
-        if train.checkpoint_metric is not None:  # not measured: Ray Train ranks NaN below every score
-            metrics[train.checkpoint_metric] = math.nan
+        if train.checkpoint_metric is not None:
+            metrics[train.checkpoint_metric] = checkpoint.unscored(train, self.cfg.task)
         upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
         position = ledger.trained(), telemetry.carried()  # collectives: every rank
         report(metrics, self.replica, epoch, self.stopper, self.rank, upload, position=position)
