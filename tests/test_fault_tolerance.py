@@ -1,11 +1,11 @@
-"""Failures with real processes and signals: a killed training worker, Ctrl-C swallowed where it landed.
+"""Failures with real processes and signals: Ray lost under a run, Ctrl-C swallowed where it landed (a killed
+training worker: test_preemption.py).
 (SIGTERM on the command and resuming the interrupted run into the same MLflow run: the S3 run in
 test_s3.py, which is interrupted and resumed.)"""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 import threading
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from conftest import DETERMINISTIC, alive, compose_cfg, descendants, in_process
+from conftest import DETERMINISTIC, alive, compose_cfg, descendants
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
@@ -111,56 +110,6 @@ def test_ray_lost_under_a_run_fails_it_in_one_paragraph_and_leaves_no_process(tm
     assert run_info.info.status == "FAILED" and "Ray was lost" in run_info.data.tags["pipeline.error"]
     assert len(client.get_metric_history(run_info.info.run_id, "train_loss")) >= 1
     assert_all_gone(started)
-
-
-@pytest.mark.slow
-def test_a_killed_worker_restarts_from_the_latest_checkpoint(tmp_path, data_root, ray_runtime, monkeypatch):
-    """SIGKILL rank 1's RayTrainWorker process (its pid is in the run's workers.jsonl) while epoch 2 runs; with
-    train.max_failures=1 the worker group restarts from epoch 1's checkpoint and the run finishes.
-    (Ray's state API would name the pid too, but it needs the dashboard, which ray[data,train] lacks.)"""
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
-    killed: list[str] = []
-
-    def kill_a_worker() -> None:
-        wait_for_epochs(tmp_path / "run", 1)
-        workers = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
-        pid = next(w["pid"] for w in workers if w["rank"] == 1)
-        worker = psutil.Process(pid)
-        title = " ".join(worker.cmdline())
-        worker.kill()
-        killed.append(title)
-
-    killer = threading.Thread(target=kill_a_worker, daemon=True)
-    killer.start()
-    metrics, _ = in_process(
-        tmp_path,
-        "run",
-        [
-            "source.limit=null",
-            "ingest.batch_size=16",
-            "train.epochs=3",
-            "train.max_failures=1",
-            "train.num_to_keep=1",
-            "train.checkpoint_metric=val_accuracy",
-        ],
-    )
-    killer.join(timeout=5)
-    assert killed and killed[0].startswith("ray::RayTrainWorker")
-    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    (run_info,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    assert run_info.info.status == "FINISHED" and metrics["val_accuracy"] == run_info.data.metrics["val_accuracy"]
-    assert_each_epoch_once(client, run_info.info.run_id, 3)
-    restores = client.get_metric_history(run_info.info.run_id, "restores")
-    assert len(restores) == 1 and restores[0].step in (1, 2)
-    # num_to_keep=1 by val_accuracy: Ray keeps the best checkpoint and the latest (one if they coincide).
-    storage = Path(run_info.data.tags["pipeline.storage"])
-    kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
-    epochs = {
-        torch.load(storage / c["checkpoint_dir_name"] / "checkpoint.pt", weights_only=True)["epoch"] for c in kept
-    }
-    reports = [json.loads(line)["ranks"][0] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    best = max(reversed(reports), key=lambda r: r["val_accuracy"])["epoch"]  # on a tie the later one wins
-    assert epochs == {best, 2}, reports
 
 
 @pytest.mark.slow  # Ray starts before the store is asked for the run

@@ -21,7 +21,7 @@ from pipeline.tracking.mlflow_store import STORAGE_TAG, Store, end_status, reope
 from pipeline.tracking.models import BEST_MODEL_TAG
 from pipeline.tracking.record import RunRecord
 from pipeline.tracking.run_config import log_config
-from pipeline.training.trainer import checkpoint_mode
+from pipeline.training.checkpoint import checkpoint_mode
 
 NO_LEARNING_TAG = "pipeline.no_learning"  # the last validation no better than a constant prediction, and by how much
 START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training started, what started fresh
