@@ -4,7 +4,7 @@ workers.
 
 Each training batch carries its rows' numbers (:data:`pipeline.data.pieces.ROW`); the ledger counts them on the
 training device (no sync per step). At a checkpoint the workers' counts are summed: a row counted once is trained
-on, and the epoch's rows packed as bits (a bit a row: 160 KB for a million rows) go in the checkpoint
+on, and the epoch's rows packed as bits (a bit a row: 125 KB for a million rows) go in the checkpoint
 (:func:`pipeline.training.checkpoint.write_position`), which the resumed epoch's pass leaves out
 (:meth:`pipeline.data.coordinator.Coordinator.set_epoch`).
 """
