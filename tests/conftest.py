@@ -60,6 +60,16 @@ def jpeg(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A smooth RGB image (gradients and a few blobs): JPEG keeps it close, resizing is comparable."""
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    rng = np.random.default_rng(seed)
+    channels = [
+        np.sin(6 * x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) + np.cos(5 * y * rng.uniform(0.5, 2)) for _ in range(3)
+    ]
+    return np.clip(np.dstack(channels) * 60 + 128, 0, 255).astype(np.uint8)
+
+
 # pytest-xdist hands whole files to its two processes in collection order (--no-loadscope-reorder): the
 # longest files go first, so that neither process is left running a long one alone at the end.
 LONGEST_FIRST = (

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import capture_warnings, compose_cfg, in_block_order, jpeg, row_groups, write_split
+from conftest import capture_warnings, compose_cfg, in_block_order, jpeg, photo, row_groups, write_split
 from PIL import Image
 
 from pipeline.common.errors import PipelineError
@@ -170,14 +170,42 @@ def test_seeded_augmentation_depends_on_the_row_not_its_batch_or_order(augment):
     assert sum(not np.array_equal(a, b) for a, b in zip(batch, once)) > 4  # the seed does not turn it off
 
 
-def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """A smooth RGB image (gradients and a few blobs): JPEG keeps it close, resizing is comparable."""
-    y, x = np.mgrid[0:height, 0:width] / max(height, width)
-    rng = np.random.default_rng(seed)
-    channels = [
-        np.sin(6 * x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) + np.cos(5 * y * rng.uniform(0.5, 2)) for _ in range(3)
-    ]
-    return np.clip(np.dstack(channels) * 60 + 128, 0, 255).astype(np.uint8)
+RRC = {"scale": (0.08, 1.0), "ratio": (3 / 4, 4 / 3)}  # torchvision's RandomResizedCrop defaults
+
+
+def torchvision_window(height: int, width: int, u: np.ndarray, scale, ratio) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params``, one image at a time, its random numbers taken from ``u`` (4 a
+    try): the reference the vectorized windows are held to."""
+    log_ratio = np.log(ratio)
+    for a, b, c, d in u.reshape(10, 4):
+        area = height * width * (scale[0] + a * (scale[1] - scale[0]))
+        aspect = np.exp(log_ratio[0] + b * (log_ratio[1] - log_ratio[0]))
+        w, h = round(np.sqrt(area * aspect)), round(np.sqrt(area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return int(c * (height - h + 1)), int(d * (width - w + 1)), h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        h, w = height, round(height * max(ratio))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+@pytest.mark.parametrize(
+    "scale, ratio", [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (3.0, 4.0)), ((0.5, 1.0), (0.2, 0.25))]
+)
+def test_the_windows_are_torchvisions_for_the_same_random_numbers(scale, ratio):
+    """crop_boxes draws every row's window at once; each is what torchvision's get_params picks for the same numbers,
+    the fallback to the centre included (ratios no image here fits)."""
+    from transforms.randomness import crop_boxes
+
+    rng = np.random.default_rng(0)
+    heights, widths = rng.integers(8, 600, 500), rng.integers(8, 600, 500)
+    u = rng.random((500, 40))
+    expected = [torchvision_window(h, w, row, scale, ratio) for h, w, row in zip(heights, widths, u)]
+    np.testing.assert_array_equal(crop_boxes(heights, widths, u, scale, ratio), np.array(expected))
 
 
 def test_validation_resize_and_center_crop_match_torchvision_on_mixed_sizes():
@@ -200,15 +228,15 @@ def test_random_resized_crop_matches_torchvision_for_the_same_window():
     resized_crop does; a window at least twice the output is decoded at a DCT-reduced scale."""
     from torchvision.transforms.v2 import functional
 
-    from transforms.image import CROP_TRIES, _crop_box, row_uniform
+    from transforms.image import resized_crop_plan
 
     pictures = [photo(375, 500, 4), photo(480, 360, 5), photo(1400, 1100, 6)]
     column = np.array([jpeg(p) for p in pictures], dtype=object)
     out = random_resized_crop({"image": column}, size=96, seed=11, epoch=3)["image"]
     assert out.shape == (3, 3, 96, 96) and out.dtype == np.uint8
-    draws = row_uniform(column, 11, 3, salt=3, draws=4 * CROP_TRIES)
-    for got, picture, u in zip(out, pictures, draws):
-        top, left, h, w = _crop_box(*picture.shape[:2], u, (0.08, 1.0), (3 / 4, 4 / 3))
+    dims = np.array([p.shape[:2] for p in pictures])
+    boxes, _ = resized_crop_plan(column, dims, **RRC, flip=0.0, seed=11, epoch=3, rows=None)
+    for got, picture, (top, left, h, w) in zip(out, pictures, boxes):
         assert 0.08 * picture.shape[0] * picture.shape[1] <= h * w * 1.02 and 3 / 4 <= w / h * 1.02 <= 4 / 3 * 1.04
         image = torch.from_numpy(picture).permute(2, 0, 1)
         expected = functional.resized_crop(image, top, left, h, w, [96, 96], antialias=True).numpy()
@@ -222,7 +250,7 @@ def test_a_working_size_keeps_the_aspect_and_the_crop_takes_its_pixels_as_torchv
     from torchvision.transforms import v2
     from torchvision.transforms.v2 import functional
 
-    from transforms.image import CROP_TRIES, _crop_box, row_uniform
+    from transforms.image import resized_crop_plan
 
     pictures = [photo(300, 400, 1), photo(517, 389, 2), photo(1200, 1000, 3), photo(256, 256, 4)[..., 0]]
     column = np.array([jpeg(p) for p in pictures], dtype=object)
@@ -236,8 +264,9 @@ def test_a_working_size_keeps_the_aspect_and_the_crop_takes_its_pixels_as_torchv
 
     out = random_resized_crop(working, size=96, seed=11, epoch=3)["image"]
     assert out.shape == (4, 3, 96, 96) and out.dtype == np.uint8
-    for got, pixels, u in zip(out, working["image"], row_uniform(working["image"], 11, 3, 3, 4 * CROP_TRIES)):
-        top, left, h, w = _crop_box(*pixels.shape[1:], u, (0.08, 1.0), (3 / 4, 4 / 3))
+    dims = np.array([image.shape[1:] for image in working["image"]])
+    boxes, _ = resized_crop_plan(working["image"], dims, **RRC, flip=0.0, seed=11, epoch=3, rows=None)
+    for got, pixels, (top, left, h, w) in zip(out, working["image"], boxes):
         expected = functional.resized_crop(torch.from_numpy(pixels), top, left, h, w, [96, 96], antialias=True)
         assert np.abs(got.astype(int) - expected.numpy().astype(int)).mean() < 1  # the same pixels: rounding only
     again = random_resized_crop({"image": working["image"][::-1].copy()}, size=96, seed=11, epoch=3)["image"]
@@ -347,15 +376,15 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
+    from pipeline.training.feed import Feed
     from pipeline.training.scaling import feature_scaler
-    from pipeline.training.worker import torch_batches
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
     ds = ray.data.from_items([{"image": p, "label": i} for i, p in enumerate(pixels)])
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    out = list(torch_batches(ds, cfg, torch.device("cpu"), 1, training=False))
+    out = list(Feed({}, torch.device("cpu"), cfg.ingest).batches(ds, epoch=0, world_size=1, training=False))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     raw = torch.cat([b["image"] for b in out])
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))  # scaled by the replica
@@ -371,8 +400,8 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     import ray.data
 
     from pipeline.data.preprocess import feature_statistics
+    from pipeline.training.feed import Feed
     from pipeline.training.scaling import feature_scaler
-    from pipeline.training.worker import torch_batches
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
     ds = ray.data.from_items([{"features": f, "label": i} for i, f in enumerate(features)])
@@ -380,7 +409,7 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     np.testing.assert_allclose(statistics["mean"], [4.0, 10.0])
     np.testing.assert_allclose(statistics["std"], [np.sqrt(5.0), 1.0])  # a constant feature keeps std 1
     cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
-    (batch,) = torch_batches(ds, cfg, torch.device("cpu"), 1, training=False)
+    (batch,) = Feed({}, torch.device("cpu"), cfg.ingest).batches(ds, epoch=0, world_size=1, training=False)
     assert torch.equal(batch["features"], torch.from_numpy(features))  # scaled by the replica
     scaled = feature_scaler(cfg.ingest.normalize, statistics, torch.device("cpu"))(batch["features"])
     expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import logging
 import warnings
-import zlib
 from typing import Any, Literal
 
 import numpy as np
@@ -16,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
+
+from transforms.randomness import CROP_TRIES, ROW, crop_boxes, row_uniform
 
 Batch = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
@@ -110,41 +111,50 @@ def random_resized_crop(
     probability of mirroring a window left-right (``RandomHorizontalFlip`` after the crop): free here, since the window
     is reversed as the batch is stacked, where a separate :func:`random_flip` step copies the batch again. Values,
     errors and ``channels`` as :func:`decode_image`; reproducible per row and epoch with ``seed`` (see
-    :func:`row_uniform`). The pipeline passes ``epoch``.
+    :func:`transforms.randomness.row_uniform`); The pipeline passes ``epoch``.
     """
-    draws = row_uniform(batch[column], seed, epoch, salt=3, draws=4 * CROP_TRIES + 1)  # the windows', then the flip
+    values = batch[column]
+    dims = np.array([_dimensions(_encoded(value)) if _readable(value) else (1, 1) for value in values]).reshape(-1, 2)
+    boxes, flips = resized_crop_plan(
+        values, dims, scale=scale, ratio=ratio, flip=flip, seed=seed, epoch=epoch, rows=batch.get(ROW)
+    )
 
     def cropped(i: int, data: bytes) -> np.ndarray:
         height, width = _dimensions(data)
-        top, left, h, w = _crop_box(height, width, draws[i, :-1], scale, ratio)
+        top, left, h, w = boxes[i]
         image = _decode(data, channels, _dct_shrink(height, width, height * size / h, width * size / w))
         window = _resized(image, (top, left, h, w), size, (height, width))
-        return window[..., ::-1] if draws[i, -1] < flip else window
+        return window[..., ::-1] if flips[i] else window
 
     rows = {"column": column, "channels": channels, "on_error": on_error, "path_column": path_column}
     return _each_row("random_resized_crop", batch, **rows, image_of=cropped, size=size)
 
 
-CROP_TRIES = 10  # torchvision's RandomResizedCrop tries ten windows before it falls back to the centre
+def resized_crop_plan(
+    values: np.ndarray,
+    dims: np.ndarray,
+    *,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    flip: float,
+    seed: int | None,
+    epoch: int,
+    rows: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's window (top, left, h, w) in its image's pixels, (N, 4), and whether it is mirrored, (N,): the draws
+    of :func:`random_resized_crop`, wherever it runs. ``dims``: each image's (height, width); ``values`` and ``rows``
+    key the draws (:func:`transforms.randomness.row_uniform`)."""
+    draws = row_uniform(values, seed, epoch, salt=3, draws=4 * CROP_TRIES + 1, rows=rows)  # the windows', the flip
+    return crop_boxes(dims[:, 0], dims[:, 1], draws[:, :-1], scale, ratio), draws[:, -1] < flip
 
 
-def _crop_box(
-    height: int, width: int, u: np.ndarray, scale: tuple[float, float], ratio: tuple[float, float]
-) -> tuple[int, int, int, int]:
-    """(top, left, h, w) of a random window, as torchvision's ``RandomResizedCrop.get_params`` draws it,
-    from ``u``: 4 uniform numbers per try."""
-    log_ratio = np.log(ratio)
-    for a, b, c, d in u.reshape(CROP_TRIES, 4):
-        area = height * width * (scale[0] + a * (scale[1] - scale[0]))
-        aspect = np.exp(log_ratio[0] + b * (log_ratio[1] - log_ratio[0]))
-        w, h = round(np.sqrt(area * aspect)), round(np.sqrt(area / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            return int(c * (height - h + 1)), int(d * (width - w + 1)), h, w
-    aspect = width / height  # no try fitted: the centre, at the nearest allowed aspect
-    w, h = (width, round(width / min(ratio))) if aspect < min(ratio) else (width, height)
-    if aspect > max(ratio):
-        w, h = round(height * max(ratio)), height
-    return (height - h) // 2, (width - w) // 2, h, w
+def _readable(value: Any) -> bool:
+    """Whether a value's size can be read (a bad one fails later, in :func:`_each_row`, naming its row)."""
+    try:
+        _dimensions(_encoded(value))
+        return True
+    except Exception:
+        return False
 
 
 def _each_row(
@@ -291,57 +301,36 @@ def _resized(
     return functional.interpolate(tensor, size=out, mode="bilinear", antialias=True)[0].numpy()
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer over a uint64 array: a cheap, well-spread hash (arithmetic wraps mod 2**64)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def row_uniform(images: np.ndarray, seed: int | None, epoch: int, salt: int, draws: int) -> np.ndarray:
-    """``draws`` uniform numbers in [0, 1) per image, shape (N, draws). ``images``: decoded pixels
-    (N, C, H, W), or a column of encoded values.
-
-    Unseeded, they are fresh each call. Seeded, each row's numbers depend only on (seed, epoch, the
-    row's pixels or bytes, salt), so which task, batch or worker handles a row, and in what order, does
-    not change its augmentation, while each epoch still gets a new one. ``salt`` keeps steps independent.
-    """
-    if seed is None:
-        return np.random.default_rng().random((len(images), draws))
-    images = np.ascontiguousarray(images)
-    keys = np.fromiter((_row_key(image) for image in images), dtype=np.uint64, count=len(images))
-    base = np.random.SeedSequence([seed, epoch, salt]).generate_state(1, np.uint64)[0]
-    counters = (keys[:, None] << np.uint64(32)) + np.arange(draws, dtype=np.uint64)[None, :]
-    return (_mix(counters ^ base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def _row_key(value: Any) -> int:
-    """A row's hash: of its pixels, or of its encoded bytes (0 for a value that is neither: a null)."""
-    data = value.get("bytes") if isinstance(value, dict) else value
-    if isinstance(data, np.ndarray):  # pixels: a large image is keyed by about 4,096 of them, spread over it
-        flat = data.reshape(-1)
-        return zlib.crc32(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]))
-    return zlib.crc32(data) if isinstance(data, bytes) else 0
-
-
 def random_crop(
     batch: Batch, column: str = "image", size: int = 32, padding: int = 4, seed: int | None = None, epoch: int = 0
 ) -> Batch:
     """Zero-pad each (N, C, H, W) image by ``padding`` and cut a random ``size`` x ``size`` window
-    (reproducible per row and epoch with ``seed``; see :func:`row_uniform`). The pipeline passes
-    ``epoch``."""
+    (reproducible per row and epoch with ``seed``; see :func:`transforms.randomness.row_uniform`). The pipeline
+    passes ``epoch``."""
     images = batch[column]
     padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     windows = np.lib.stride_tricks.sliding_window_view(padded, (size, size), axis=(2, 3))  # (N, C, T, L, s, s)
-    top, left = (row_uniform(images, seed, epoch, salt=1, draws=2) * windows.shape[2:4]).astype(np.int64).T
+    top, left = crop_plan(images, windows.shape[2:4], seed=seed, epoch=epoch, rows=batch.get(ROW))
     return {**batch, column: windows[np.arange(len(images)), :, top, left]}  # one gather: (N, C, size, size)
 
 
+def crop_plan(
+    images: np.ndarray, positions: tuple[int, int], *, seed: int | None, epoch: int, rows: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's window corner (top, left) of :func:`random_crop`, of ``positions`` (rows, columns) it may take."""
+    top, left = (row_uniform(images, seed, epoch, salt=1, draws=2, rows=rows) * positions).astype(np.int64).T
+    return top, left
+
+
 def random_flip(batch: Batch, column: str = "image", p: float = 0.5, seed: int | None = None, epoch: int = 0) -> Batch:
-    """Mirror each (N, C, H, W) image left-right with probability ``p`` (reproducible per row and
-    epoch with ``seed``; see :func:`row_uniform`). The pipeline passes ``epoch``."""
+    """Mirror each (N, C, H, W) image left-right with probability ``p`` (reproducible per row and epoch with
+    ``seed``; see :func:`transforms.randomness.row_uniform`). The pipeline passes ``epoch``."""
     images = batch[column].copy()
-    flip = row_uniform(images, seed, epoch, salt=2, draws=1)[:, 0] < p
+    flip = flip_plan(images, p, seed=seed, epoch=epoch, rows=batch.get(ROW))
     images[flip] = images[flip][..., ::-1]
     return {**batch, column: images}
+
+
+def flip_plan(images: np.ndarray, p: float, *, seed: int | None, epoch: int, rows: np.ndarray | None) -> np.ndarray:
+    """Whether each row is mirrored by :func:`random_flip`, (N,)."""
+    return row_uniform(images, seed, epoch, salt=2, draws=1, rows=rows)[:, 0] < p

@@ -27,6 +27,7 @@ import ray
 import ray.data
 
 from pipeline.common import workarounds
+from transforms.randomness import ROW  # the training split's row numbers: the ledger's count, the draws' key
 
 Batch = dict[str, np.ndarray]
 
@@ -165,7 +166,6 @@ def task_share(task: int, tasks: int, windows: int) -> tuple[int, int, int]:
 
 
 CHUNKS_PER_TASK = 8  # a task hands on its rows in about this many batches (fewer, with fewer pieces)
-ROW = "_pipeline_row"  # the training split's column of row numbers: what the workers' ledger counts
 
 
 def row_numbers(groups: list[RowGroup]) -> np.ndarray:
