@@ -111,7 +111,8 @@ def random_resized_crop(
     probability of mirroring a window left-right (``RandomHorizontalFlip`` after the crop): free here, since the window
     is reversed as the batch is stacked, where a separate :func:`random_flip` step copies the batch again. Values,
     errors and ``channels`` as :func:`decode_image`; reproducible per row and epoch with ``seed`` (see
-    :func:`transforms.randomness.row_uniform`); The pipeline passes ``epoch``.
+    :func:`transforms.randomness.row_uniform`); :class:`transforms.device.RandomResizedCrop` cuts the same windows on
+    the training device. The pipeline passes ``epoch``.
     """
     values = batch[column]
     dims = np.array([_dimensions(_encoded(value)) if _readable(value) else (1, 1) for value in values]).reshape(-1, 2)
@@ -305,8 +306,9 @@ def random_crop(
     batch: Batch, column: str = "image", size: int = 32, padding: int = 4, seed: int | None = None, epoch: int = 0
 ) -> Batch:
     """Zero-pad each (N, C, H, W) image by ``padding`` and cut a random ``size`` x ``size`` window
-    (reproducible per row and epoch with ``seed``; see :func:`transforms.randomness.row_uniform`). The pipeline
-    passes ``epoch``."""
+    (reproducible per row and epoch with ``seed``; see :func:`transforms.randomness.row_uniform`;
+    :class:`transforms.device.RandomCrop` cuts the same windows on the training device). The pipeline passes
+    ``epoch``."""
     images = batch[column]
     padded = np.pad(images, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
     windows = np.lib.stride_tricks.sliding_window_view(padded, (size, size), axis=(2, 3))  # (N, C, T, L, s, s)
@@ -324,7 +326,8 @@ def crop_plan(
 
 def random_flip(batch: Batch, column: str = "image", p: float = 0.5, seed: int | None = None, epoch: int = 0) -> Batch:
     """Mirror each (N, C, H, W) image left-right with probability ``p`` (reproducible per row and epoch with
-    ``seed``; see :func:`transforms.randomness.row_uniform`). The pipeline passes ``epoch``."""
+    ``seed``; see :func:`transforms.randomness.row_uniform`; :class:`transforms.device.RandomFlip` mirrors the same
+    rows on the training device). The pipeline passes ``epoch``."""
     images = batch[column].copy()
     flip = flip_plan(images, p, seed=seed, epoch=epoch, rows=batch.get(ROW))
     images[flip] = images[flip][..., ::-1]
@@ -334,3 +337,11 @@ def random_flip(batch: Batch, column: str = "image", p: float = 0.5, seed: int |
 def flip_plan(images: np.ndarray, p: float, *, seed: int | None, epoch: int, rows: np.ndarray | None) -> np.ndarray:
     """Whether each row is mirrored by :func:`random_flip`, (N,)."""
     return row_uniform(images, seed, epoch, salt=2, draws=1, rows=rows)[:, 0] < p
+
+
+# The classes that run these steps on the training device (transforms/device.py): a step's ``on_device`` setting
+# looks for its function's ``device_form``, a dotted path; a function of your own can name one the same way.
+random_resized_crop.device_form = "transforms.device.RandomResizedCrop"
+decode_image.device_form = "transforms.device.DecodeImage"
+random_crop.device_form = "transforms.device.RandomCrop"
+random_flip.device_form = "transforms.device.RandomFlip"

@@ -238,6 +238,10 @@ def check_transforms(transforms: TransformsConfig) -> None:
             _require(spec.num_cpus >= 0, f"{key}.num_cpus must be >= 0.")
             _require(spec.batch_size is None or spec.batch_size > 0, f"{key}.batch_size must be > 0 or null.")
             _require(spec.concurrency is None or spec.concurrency >= 1, f"{key}.concurrency must be >= 1 or null.")
+            _require(
+                spec.on_device in ("auto", True, False),
+                f"{key}.on_device must be auto, true or false, got {spec.on_device!r}.",
+            )
 
 
 def check_source(source: SourceConfig, ingest: IngestConfig) -> None:

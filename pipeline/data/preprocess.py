@@ -23,7 +23,16 @@ from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
 from pipeline.data import cache, pieces, source, stream
 from pipeline.data.coordinator import Coordinator
-from pipeline.data.steps import Steps, apply, cached_steps, placement, read_placement, read_steps, streamed_steps
+from pipeline.data.steps import (
+    Steps,
+    apply,
+    cached_steps,
+    device_split,
+    placement,
+    read_placement,
+    read_steps,
+    streamed_steps,
+)
 from pipeline.runtime.cluster import placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
@@ -44,6 +53,8 @@ class TrainingData:
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
     streams: dict[str, stream.Stream] = field(default_factory=dict)  # split -> its stream, with the plan off
     mixing: Mixing | None = None
+    # split -> the steps the training workers run on their device, after the batches reach them (steps.device_split)
+    on_device: dict[str, dict[str, TransformSpec]] = field(default_factory=dict)
 
     def __enter__(self) -> TrainingData:
         return self
@@ -52,6 +63,10 @@ class TrainingData:
         """The job is over: its coordinator goes, and with it its readers and the pieces they hold (the datasets'
         tasks end with their job)."""
         ray.kill(self.coordinator)
+
+    def device_steps(self) -> str | None:
+        """Which steps the training workers run on their device, per split (None: none do)."""
+        return "; ".join(f"{split}: {', '.join(steps)}" for split, steps in self.on_device.items() if steps) or None
 
     def reads(self) -> str | None:
         """Where the streamed splits were read so far: each node's share of the bytes (None: nothing streamed)."""
@@ -157,9 +172,18 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
         for name, split in splits.items():
             shuffle = seed if name == "train" else None
             groups = pieces.row_groups(split.files, split.filesystem, src.limit, layout.label)
+            every_epoch = cached_steps(split.steps)[1] if plan.on else streamed_steps(split.steps)
+            data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu)[1]
             if plan.on:
                 built = cached_dataset(
-                    split, groups, columns, data.coordinator, shuffle, plan.row_bytes[name], numbered=name == "train"
+                    split,
+                    groups,
+                    columns,
+                    data.coordinator,
+                    shuffle,
+                    plan.row_bytes[name],
+                    on_device=data.on_device[name],
+                    numbered=name == "train",
                 )
                 data.datasets[name], data.caches[name] = built
             else:
@@ -171,6 +195,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     coordinator=data.coordinator,
                     shuffle_seed=shuffle,
                     budget=plan.capacity_bytes // 3,
+                    on_device=data.on_device[name],
                     numbered=name == "train",
                 )
                 data.datasets[name], data.streams[name] = streaming
@@ -241,14 +266,16 @@ def streamed_dataset(
     coordinator,
     shuffle_seed: int | None,
     budget: int,
+    on_device: dict[str, TransformSpec] | None = None,
     numbered: bool = False,
 ) -> tuple[ray.data.Dataset, stream.Stream]:
     """``split`` (called ``name``, its row ``groups``) read anew every epoch (:mod:`pipeline.data.stream`), in a
     new order drawn from ``shuffle_seed`` (None: the stored order), windows of at most ``budget`` bytes at a
-    time read by a reader on each node where the split's first step may run, every step run as its rows are
-    gathered.
+    time read by a reader on each node where the split's first step may run, every step but those ``on_device``
+    (the training workers run them) run as its rows are gathered.
     ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
     steps, where = streamed_steps(split.steps), read_placement(split.steps)
+    steps = {name: spec for name, spec in steps.items() if name not in (on_device or {})}
     columns_read = [*split.layout.inputs, *columns[1:]]
     streaming = stream.open_stream(
         coordinator,
@@ -261,7 +288,9 @@ def streamed_dataset(
         where=where,
     )
     numbers = pieces.row_numbers(groups) if numbered else None
-    epochs = epoch_dataset(streaming, shuffle_seed, steps, read_steps(split), columns, coordinator, numbers=numbers)
+    epochs = epoch_dataset(
+        streaming, shuffle_seed, steps, read_steps(split), columns, coordinator, where=where, numbers=numbers
+    )
     return epochs, streaming
 
 
@@ -273,13 +302,16 @@ def cached_dataset(
     shuffle_seed: int | None,
     row_bytes: float,
     *,
+    on_device: dict[str, TransformSpec] | None = None,
     numbered: bool = False,
 ) -> tuple[ray.data.Dataset, cache.Cache]:
     """``split`` (its row ``groups``) with its steps that run once submitted now as Ray tasks
     (:mod:`pipeline.data.cache`), and a lazy dataset that reads their output each epoch, mixed with
-    ``shuffle_seed``, with the per-epoch steps chained on. ``columns`` as :func:`dataset`'s; ``numbered``: as
-    :func:`epoch_dataset`'s."""
+    ``shuffle_seed``, with the per-epoch steps but those ``on_device`` (the training workers run them) chained on.
+    ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
     once, every_epoch = cached_steps(split.steps)
+    where = read_placement(every_epoch)  # the gathering tasks run where the per-epoch steps would
+    every_epoch = {name: spec for name, spec in every_epoch.items() if name not in (on_device or {})}
     prepare = Steps(once, read_steps(split))
     first = next(iter(once.values()), None)
     build_options = {
@@ -297,7 +329,8 @@ def cached_dataset(
         options=build_options,
     )
     numbers = pieces.row_numbers(groups) if numbered else None
-    return epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator, numbers=numbers), built
+    epochs = epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator, where=where, numbers=numbers)
+    return epochs, built
 
 
 def epoch_dataset(
@@ -308,14 +341,15 @@ def epoch_dataset(
     columns,
     coordinator,
     *,
+    where: dict,
     numbers: np.ndarray | None = None,
 ):
-    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`), ``first``
-    (:func:`read_steps`) and ``steps`` run on the rows as they are gathered, in the same task, which keeps only
-    ``columns``; with ``numbers`` (the training split's), each row's number as well, and a resumed epoch
-    without the rows trained on before the stop."""
+    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`) by tasks placed as
+    ``where`` says (:func:`pipeline.data.steps.placement`), ``first`` (:func:`read_steps`) and ``steps`` run on the
+    rows as they are gathered, in the same task, which keeps only ``columns``; with ``numbers`` (the training
+    split's), each row's number as well, and a resumed epoch without the rows trained on before the stop."""
     then = Steps(steps, first, keep=columns)
-    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **read_placement(steps)}
+    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **where}
     return pieces.dataset(
         source,
         source.windows,

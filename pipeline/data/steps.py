@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import ray
 import ray.data
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import PredictConfig, TransformSpec
@@ -116,13 +116,86 @@ def is_class(spec: TransformSpec) -> bool:
 def cached_steps(steps: dict[str, TransformSpec]) -> tuple[dict[str, TransformSpec], dict[str, TransformSpec]]:
     """The steps that run once (up to the first that runs every epoch) and those that run every epoch.
     A step runs every epoch when its ``cache`` says false, or, unset, when its function takes the
-    ``epoch`` (seeded augmentation: a new draw each epoch)."""
+    ``epoch`` (seeded augmentation: a new draw each epoch), or when it is put on the device (``on_device: true``)."""
     names = list(steps)
     for i, spec in enumerate(steps.values()):
         per_epoch = not spec.cache if spec.cache is not None else takes_epoch(spec)
-        if per_epoch:
+        if per_epoch or spec.on_device is True:
             return {n: steps[n] for n in names[:i]}, {n: steps[n] for n in names[i:]}
     return steps, {}
+
+
+def device_split(
+    steps: dict[str, TransformSpec], use_gpu: bool
+) -> tuple[dict[str, TransformSpec], dict[str, TransformSpec]]:
+    """``steps`` (those that run every epoch) cut in two: the first run by Ray Data's CPU tasks, the rest by the
+    training worker on its device (:mod:`transforms.device`), after the batches reach it. The device takes the first
+    step put there (``on_device: true``) and every one after it (:func:`check_device` checks they can go), and before
+    it each ``auto`` step with a device form, while the workers have GPUs."""
+    names = list(steps)
+    cut = next((i for i, spec in enumerate(steps.values()) if spec.on_device is True), len(names))
+    while cut > 0 and on_device(steps[names[cut - 1]], use_gpu):
+        cut -= 1
+    return {n: steps[n] for n in names[:cut]}, {n: steps[n] for n in names[cut:]}
+
+
+def on_device(spec: TransformSpec, use_gpu: bool) -> bool:
+    """Whether a step may run on the training device as its ``on_device`` says: true, or ``auto`` where the workers
+    have GPUs and the step's function has a device form that takes its parameters."""
+    if spec.on_device is True:
+        return True
+    return spec.on_device == "auto" and use_gpu and can_run_on_device(spec)
+
+
+def can_run_on_device(spec: TransformSpec) -> bool:
+    return device_form(spec) is not None and not unsupported(spec)
+
+
+def device_form(spec: TransformSpec) -> type | None:
+    """The class that runs a step on the training device: its function's ``device_form`` (a dotted path, as
+    transforms/image.py sets for its functions), or None."""
+    fn = instantiate(spec.fn, _partial_=True, _convert_="all")
+    path = getattr(fn.func if isinstance(fn, functools.partial) else fn, "device_form", None)
+    return get_object(path) if path else None
+
+
+def device_params(spec: TransformSpec) -> dict[str, Any]:
+    """The arguments a step's device form is built with: its function's, as the config binds them."""
+    return {key: value for key, value in spec.fn.items() if key != "_target_"}
+
+
+def unsupported(spec: TransformSpec) -> str | None:
+    """Why a step's device form cannot take the step's parameters (None: it can)."""
+    return device_form(spec).unsupported(**device_params(spec))
+
+
+def check_device(split: str, steps: dict[str, TransformSpec]) -> None:
+    """Before Ray starts: a step put on the device (``on_device: true``) and each step after it has a device form that
+    takes its parameters (the device is where a batch goes last)."""
+    names = list(steps)
+    first = next((i for i, spec in enumerate(steps.values()) if spec.on_device is True), None)
+    if first is None:
+        return
+    for name in names[first:]:
+        spec, key = steps[name], f"transforms.{split}.{name}"
+        form = device_form(spec)
+        where = f"after transforms.{split}.{names[first]} (on_device=true)" if name != names[first] else ""
+        if spec.on_device is False or form is None:
+            what = "on_device=false" if spec.on_device is False else f"{spec.fn['_target_']} has no device form"
+            raise PipelineError(
+                f"{key} runs on the training device {where or '(on_device=true)'}, since a batch reaches the device "
+                f"after every step in Ray Data's tasks, but {what}. Give the function a device form (a device_form "
+                "attribute naming a class, as transforms/image.py does), move the step before the device steps, or "
+                "set on_device: auto on the steps."
+            )
+        try:
+            inspect.signature(form).bind(**device_params(spec))
+        except TypeError as err:
+            raise PipelineError(f"{key}: its device form {form.__name__} does not take its arguments: {err}.") from err
+        if reason := unsupported(spec):
+            raise PipelineError(
+                f"{key} runs on the training device {where}, but {reason}: set on_device: auto or false."
+            )
 
 
 def takes_epoch(spec: TransformSpec) -> bool:

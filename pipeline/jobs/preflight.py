@@ -4,6 +4,7 @@ they run. Before Ray starts (each in the module that owns the setting):
 - the config's values and their combinations (:func:`pipeline.config.check_values`);
 - each ``_target_`` imported and its arguments bound (:func:`pipeline.config.check_targets`);
 - a step marked ``streamed: false`` runs once (:func:`pipeline.data.steps.check_streamed`);
+- a step put on the training device can go there, and so can each after it (:func:`pipeline.data.steps.check_device`);
 - the splits' files, columns, labels and class names (:func:`pipeline.data.source.prepare`);
 - the rows evaluation scores, with ``train.evaluate`` (:func:`pipeline.jobs.predict.prediction_split`);
 - ``finetune.weights`` read and matched to the model (:func:`start_weights`);
@@ -65,6 +66,7 @@ def sources(cfg: PipelineConfig) -> dict[str, source.Split]:
     check_values(cfg)
     for name in source.SPLITS:
         steps.check_streamed(name, active[name])
+        steps.check_device(name, active[name])
     splits = source.prepare(cfg.source)
     for name, split in splits.items():
         split.steps = active[name]

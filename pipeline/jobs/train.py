@@ -93,7 +93,9 @@ class TrainingJob:
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
         with tracker, resume_hint(tracker):
             tracker.log_data(self.splits, data.statistics)
-            tracker.log_ingest(shuffle=data.mixing.summary() if data.mixing else None)
+            tracker.log_ingest(shuffle=data.mixing.summary() if data.mixing else None, device=data.device_steps())
+            if data.device_steps():
+                log.info("on the training device, every epoch: %s", data.device_steps())
             if self.initial is not None:
                 log.info("finetune: %s", self.initial.summary())
                 tracker.log_start_weights(self.initial)

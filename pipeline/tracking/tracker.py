@@ -28,6 +28,7 @@ START_WEIGHTS_TAG = "pipeline.start_weights"  # finetune.weights: where training
 CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or why it streamed)
 SHUFFLE_TAG = "pipeline.shuffle"  # how the training split's windows mix it (the footers' label ranges)
 READS_TAG = "pipeline.reads"  # what the streamed splits read, on which nodes
+DEVICE_TAG = "pipeline.device_steps"  # the steps the training workers run on their device, per split
 
 
 class Tracker:
@@ -103,10 +104,11 @@ class Tracker:
             mib, seconds = figures["bytes"] / 2**20, figures["seconds"]
             self.record.write(metrics_record({f"cache_{name}_mib": mib, f"cache_{name}_s": seconds}, 0))
 
-    def log_ingest(self, shuffle: str | None = None, reads: str | None = None) -> None:
-        """How the training split's windows mix it (``pipeline.shuffle``) and where the streamed splits were read
-        (``pipeline.reads``), where known."""
-        for tag, value in ((SHUFFLE_TAG, shuffle), (READS_TAG, reads)):
+    def log_ingest(self, shuffle: str | None = None, reads: str | None = None, device: str | None = None) -> None:
+        """How the training split's windows mix it (``pipeline.shuffle``), where the streamed splits were read
+        (``pipeline.reads``) and which steps the workers run on their device (``pipeline.device_steps``), where
+        known."""
+        for tag, value in ((SHUFFLE_TAG, shuffle), (READS_TAG, reads), (DEVICE_TAG, device)):
             if value is not None:
                 self.record.tag(tag, value)
 

@@ -87,6 +87,7 @@ def build_trainer(
                 train_rows=data.rows["train"],
                 initial=ray.put(initial) if initial is not None else None,
                 storage=storage,
+                on_device=data.on_device,
                 notice=notice,
             )
         },

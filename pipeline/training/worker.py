@@ -31,11 +31,12 @@ import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
 from pipeline.common.metrics import LOSSES
-from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, TaskType
+from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, TaskType, TransformSpec
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import checkpoint, parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import STEP_KEY, CheckpointRestored, StepCheckpointed, StepTaken, WorkerStarted
+from pipeline.training.feed import Feed
 from pipeline.training.ledger import Ledger
 from pipeline.training.replica import Replica
 from pipeline.training.resume import EpochSteps, restore_point, steps_per_epoch
@@ -56,6 +57,7 @@ class WorkerJob:
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
     storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
+    on_device: dict[str, dict[str, TransformSpec]]  # split -> the steps this worker runs on its device (feed.py)
     notice: Any = None  # the driver's preemption.Notice: a stop with notice, answered with a checkpoint
 
 
@@ -70,6 +72,7 @@ def train_loop_per_worker(config: dict) -> None:
         torch.set_num_threads(cfg.scaling.torch_threads)
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
+    feeds = {split: Feed(steps, device, cfg.ingest) for split, steps in job.on_device.items()}
 
     restore = restore_point(job.storage)  # a restarted worker group, or a resumed run
     start, epochs = (restore.next_epoch if restore else 0), cfg.train.epochs
@@ -78,7 +81,7 @@ def train_loop_per_worker(config: dict) -> None:
     # Ray Data starts reading and decoding the first epoch while the model is built, without the rows trained on
     # before the checkpoint within it
     trained = within.trained if within else None
-    first = train_batches(cfg, start, coordinator, device, world_size, trained) if start < epochs else ()
+    first = train_batches(feeds["train"], cfg, start, coordinator, world_size, trained) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
@@ -102,7 +105,9 @@ def train_loop_per_worker(config: dict) -> None:
     )
 
     for epoch in range(start, epochs):
-        batches = first_batches if epoch == start else train_batches(cfg, epoch, coordinator, device, world_size)
+        batches = (
+            first_batches if epoch == start else train_batches(feeds["train"], cfg, epoch, coordinator, world_size)
+        )
         resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
         ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
         trained = train_epoch(
@@ -120,7 +125,9 @@ def train_loop_per_worker(config: dict) -> None:
             return
         telemetry, step = trained
         metrics = telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
-        valid = torch_batches(ray.train.get_dataset_shard("valid"), cfg, device, world_size, training=False)
+        valid = feeds["valid"].batches(
+            ray.train.get_dataset_shard("valid"), epoch=epoch, world_size=world_size, training=False
+        )
         scores = validate(replica, valid, checkpoints.notice_seen)
         if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
             checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
@@ -330,37 +337,14 @@ class StepCheckpoints:
 
 
 def train_batches(
-    cfg: PipelineConfig,
-    epoch: int,
-    coordinator,
-    device: torch.device,
-    world_size: int,
-    trained: np.ndarray | None = None,
+    feed: Feed, cfg: PipelineConfig, epoch: int, coordinator, world_size: int, trained: np.ndarray | None = None
 ) -> Iterator[dict]:
-    """This worker's training shard for ``epoch``, without the rows ``trained`` on before a resume. The epoch is
-    set on the job's coordinator first, since the seeded transforms of the pass read it (the pass starts once
-    every worker has asked for it)."""
+    """This worker's training shard for ``epoch`` on its device (:class:`pipeline.training.feed.Feed`), without the
+    rows ``trained`` on before a resume. The epoch is set on the job's coordinator first, since the seeded transforms
+    of the pass read it (the pass starts once every worker has asked for it)."""
     ray.get(coordinator.set_epoch.remote(epoch, trained))
     shard = ray.train.get_dataset_shard("train")
-    return torch_batches(shard, cfg, device, world_size, training=True, seed=cfg.train.seed + epoch)
-
-
-def torch_batches(
-    shard, cfg: PipelineConfig, device: torch.device, world_size: int, training: bool, seed: int | None = None
-) -> Iterator:
-    """This worker's shard of a split as torch batches (``ingest`` settings), on the training device.
-    Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so;
-    validation never does. Pixels arrive as uint8 (a quarter of float32's bytes through Ray's object
-    store and to a GPU): the replica scales them (:func:`pipeline.training.scaling.feature_scaler`)."""
-    ingest = cfg.ingest
-    return shard.iter_torch_batches(
-        batch_size=ingest.batch_size // world_size,
-        prefetch_batches=ingest.prefetch_batches,
-        local_shuffle_buffer_size=ingest.local_shuffle_buffer_size if training else None,
-        local_shuffle_seed=seed,
-        drop_last=ingest.drop_last and training,
-        device=device,
-    )
+    return feed.batches(shard, epoch=epoch, world_size=world_size, training=True, seed=cfg.train.seed + epoch)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
