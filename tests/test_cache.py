@@ -12,7 +12,8 @@ from test_own_data import write_sorted_and_shuffled
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig
-from pipeline.data import preprocess, source, steps
+from pipeline.data import pieces, preprocess, source, steps
+from pipeline.data.pieces import RowGroup
 from pipeline.jobs import preflight
 from pipeline.runtime.cluster import local_cpus
 from transforms import decode_image
@@ -79,7 +80,8 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     split.steps = cfg.transforms.active("valid")
     streamed = rows_of(preprocess.dataset(split, split.steps, ["image", "label"], cfg.source))
     with in_block_order() as coordinator:
-        ds, cache = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, None, 3200)
+        cache = preprocess.cached_split(split, row_groups(split), ["image", "label"], None, 3200)
+        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator)
         cached = rows_of(ds)
     table = pq.read_table(split.files)
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
@@ -97,7 +99,8 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
     split.steps = {"decode": cfg.transforms.train["decode"]}
     passes = []
     with in_block_order() as coordinator:
-        ds, _ = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, 0, 3200)
+        built = preprocess.cached_split(split, row_groups(split), ["image", "label"], 0, 3200)
+        ds = preprocess.cached_dataset(split, built, row_groups(split), ["image", "label"], coordinator)
         for epoch in epochs:
             ray.get(coordinator.set_epoch.remote(epoch))
             passes.append(rows_of(ds))
@@ -116,3 +119,55 @@ def test_the_cached_shuffle_is_new_each_epoch_and_mixes_a_class_sorted_layout(tm
     assert len(first) == 512 and sorted(first) == sorted(second)
     assert first != second and second == again
     assert len({label for _, label in first[:32]}) >= 6 and len({label for _, label in second[:32]}) >= 6
+
+
+class ListedCache:
+    """A cache's shape without Ray: ``groups`` row groups of ``rows`` each, one piece a group (its index its ref)."""
+
+    def __init__(self, groups: int, rows: int, seed: int | None):
+        self.by_group, self.rows, self.seed = [[g] for g in range(groups)], rows, seed
+
+    def window(self, epoch: int, index: int, count: int):
+        groups = pieces.window_groups(len(self.by_group), self.seed, epoch, count)[index]
+        return [i for g in groups for i in self.by_group[g]], [[(self.rows, 0)] for _ in groups]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_workers_reading_a_cache_themselves_each_take_an_equal_share_every_row_once(world):
+    """pieces.shard, as each worker of an indexed split deals itself its share: every worker the same number of rows
+    (the epoch's rows // world), none twice, each from every window (epoch 0's windows follow the cache's build);
+    a resumed epoch leaves out the rows trained on and shares the rest the same way; the next epoch another order."""
+    source, numbers = (
+        ListedCache(groups=40, rows=25, seed=3),
+        pieces.row_numbers([RowGroup(file="f", index=g, rows=25, bytes=1) for g in range(40)]),
+    )
+
+    def shares(epoch: int, done=None, left: int = 1000) -> list[list[int]]:
+        out = []
+        for rank in range(world):
+            taken, windows = [], 0
+            for window, mine in pieces.shard(
+                source,
+                pieces.Windows(4, 1),
+                epoch,
+                seed=3,
+                numbers=numbers,
+                done=done,
+                rank=rank,
+                world=world,
+                rows=left,
+            ):
+                assert len(mine) >= 1 and len(set(mine)) == len(mine)
+                taken, windows = taken + window.numbers[mine].tolist(), windows + 1
+            assert windows == (4 if epoch == 0 else 1)  # every worker moves through the windows with the others
+            out.append(taken)
+        return out
+
+    first = shares(0)
+    assert {len(s) for s in first} == {1000 // world} and len({r for s in first for r in s}) == world * (1000 // world)
+    assert first != shares(1) and first == shares(0)
+    trained = np.zeros(1000, dtype=bool)
+    trained[::3] = True  # a stop after a third of the epoch's rows
+    resumed = shares(0, np.packbits(trained), left=1000 - trained.sum())
+    rows = [r for s in resumed for r in s]
+    assert not trained[rows].any() and len(set(rows)) == len(rows) == world * ((1000 - trained.sum()) // world)

@@ -47,12 +47,10 @@ def test_device_crops_are_the_cpu_steps_crops_of_the_same_rows():
     assert device.shape == (12, 3, 64, 64) and device.dtype == torch.uint8
     np.testing.assert_array_equal(device.numpy(), cpu)
 
-    collated = Collate([RandomResizedCrop(**params)], 2, torch.device("cuda:0"))  # pads as for a GPU: NCHW
-    collated.pinned = False  # no GPU here to pin for
-    padded = collated(batch)
+    padded = for_a_gpu([RandomResizedCrop(**params)], 2)(batch)
     boxes, flips = padded.params[0]["boxes"], padded.params[0]["flips"]
     assert flips.any() and not flips.all()
-    batched = batched_resize(padded.batch["image"].padded, torch.as_tensor(boxes), torch.as_tensor(flips), 64)
+    batched = batched_resize(padded.batch["image"].images, torch.as_tensor(boxes), torch.as_tensor(flips), 64)
     assert (batched.int() - torch.from_numpy(cpu).int()).abs().max() <= 1
     assert not np.array_equal(on_device(RandomResizedCrop(**params), batch, epoch=3)["image"].numpy(), cpu)
 
@@ -145,15 +143,24 @@ def test_encoded_images_decode_on_the_device_as_the_cpu_steps_decode_them():
     assert np.abs(device.astype(int) - cpu.astype(int)).mean() < 4
 
 
-def test_ragged_pixels_are_padded_channels_last_on_the_cpu():
+def for_a_gpu(steps: list, epoch: int) -> Collate:
+    """A collate as a GPU's worker makes it (ragged pixels padded into one tensor), unpinned: there is no GPU here."""
+    collate = Collate(steps, epoch, torch.device("cuda:0"))
+    collate.pin = False
+    return collate
+
+
+def test_ragged_pixels_reach_a_gpu_padded_and_the_cpu_as_they_are():
     batch = working_size(5)
-    ragged = Collate([], 0, CPU)(batch).batch["image"]
-    assert isinstance(ragged, Ragged) and ragged.padded.shape[0] == 5
-    assert ragged.padded.is_contiguous(memory_format=torch.channels_last)
-    for image, (h, w), padded in zip(batch["image"], ragged.sizes.tolist(), ragged.padded):
+    views = Collate([], 0, CPU)(batch).batch["image"]
+    assert isinstance(views, Ragged) and [list(i.shape[1:]) for i in views.images] == views.sizes.tolist()
+    assert all(np.shares_memory(tensor.numpy(), image) for tensor, image in zip(views.images, batch["image"]))
+    padded = for_a_gpu([], 0)(batch).batch["image"]
+    assert padded.images.shape[0] == 5 and padded.images.is_contiguous()
+    for image, (h, w), pixels in zip(batch["image"], padded.sizes.tolist(), padded.images):
         assert image.shape[1:] == (h, w)
-        np.testing.assert_array_equal(padded[:, :h, :w].numpy(), image)
-        assert not padded[:, h:, :].any() and not padded[:, :, w:].any()
+        np.testing.assert_array_equal(pixels[:, :h, :w].numpy(), image)
+        assert not pixels[:, h:, :].any() and not pixels[:, :, w:].any()
 
 
 def spec(cfg, split: str, name: str, **changes):

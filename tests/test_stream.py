@@ -13,6 +13,7 @@ import transforms
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps, stream
 from pipeline.jobs import preflight
+from transforms.randomness import ROW
 
 
 @pytest.mark.parametrize(("tasks", "windows"), [(1, 1), (5, 2), (8, 8), (13, 4), (40, 3)])
@@ -121,7 +122,8 @@ def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time
     cfg, split = row_groups_split(tmp_path, files=16, rows=8)
     split.steps = {"decode": cfg.transforms.train["decode"]}
     with in_block_order() as coordinator:
-        ds, cache = preprocess.cached_dataset(split, row_groups(split), ["image", "label"], coordinator, 5, 3200)
+        cache = preprocess.cached_split(split, row_groups(split), ["image", "label"], 5, 3200)
+        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator)
         passes = []
         for epoch in (0, 1):
             ray.get(coordinator.set_epoch.remote(epoch))
@@ -162,9 +164,11 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     with preprocess.training_data(cfg, splits) as data:
         assert set(data.streams) == {"train", "valid"} and not data.caches
         rows = data.datasets["train"].take_all()
-    # the crop of each encoded photo itself, as the config draws it (a crop cut from the 256 working size differs)
+    # the crop of each encoded photo itself, as the config draws it (a crop cut from the 256 working size differs),
+    # for the row of that number (the training split's rows are numbered in file order: the draws' key)
     crop = {k: v for k, v in splits["train"].steps["crop"].fn.items() if k != "_target_"}
-    expected = transforms.random_resized_crop({"image": np.array(photos["train"], dtype=object)}, **crop)["image"]
+    encoded = {"image": np.array(photos["train"], dtype=object), ROW: np.arange(12)}
+    expected = transforms.random_resized_crop(encoded, **crop)["image"]
     assert sorted(np.asarray(row["image"]).tobytes() for row in rows) == sorted(e.tobytes() for e in expected)
 
     with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):

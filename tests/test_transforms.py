@@ -384,7 +384,8 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    out = list(Feed({}, torch.device("cpu"), cfg.ingest).batches(ds, epoch=0, world_size=1, training=False))
+    feed = Feed("valid", {}, torch.device("cpu"), cfg.ingest)
+    out = list(feed.batches(epoch=0, rank=0, world_size=1, training=False, shard=ds))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     raw = torch.cat([b["image"] for b in out])
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))  # scaled by the replica
@@ -409,7 +410,9 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     np.testing.assert_allclose(statistics["mean"], [4.0, 10.0])
     np.testing.assert_allclose(statistics["std"], [np.sqrt(5.0), 1.0])  # a constant feature keeps std 1
     cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
-    (batch,) = Feed({}, torch.device("cpu"), cfg.ingest).batches(ds, epoch=0, world_size=1, training=False)
+    (batch,) = Feed("valid", {}, torch.device("cpu"), cfg.ingest).batches(
+        epoch=0, rank=0, world_size=1, training=False, shard=ds
+    )
     assert torch.equal(batch["features"], torch.from_numpy(features))  # scaled by the replica
     scaled = feature_scaler(cfg.ingest.normalize, statistics, torch.device("cpu"))(batch["features"])
     expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]

@@ -5,10 +5,10 @@ Data hands them over, so per-epoch work (crops, flips, and decoding a streamed s
 A device step works in two parts. ``plan`` runs on the CPU, in the thread that collates the batch, and draws each
 row's parameters with the CPU function's own code (:func:`transforms.image.resized_crop_plan` and the like, keyed on
 the row's number), so a row gets the same window and flip on either side; ``__call__`` applies them to the batch on
-the device. Ragged pixels (a working size whose images differ in shape) arrive as :class:`Ragged`: one padded uint8
-tensor and each image's size. Encoded images arrive as they were read (bytes, or Hugging Face structs); a step that
-takes them decodes on the device: JPEGs with nvJPEG on a GPU (torchvision's batched ``decode_jpeg``), other formats
-on the CPU.
+the device. Ragged pixels (a working size whose images differ in shape) arrive as :class:`Ragged`: on a GPU one
+padded uint8 tensor and each image's size. Encoded images arrive as they were read (bytes, or Hugging Face structs);
+a step that takes them decodes on the device: JPEGs with nvJPEG on a GPU (torchvision's batched ``decode_jpeg``),
+other formats on the CPU.
 
 Resizing is torch's bilinear with antialiasing, as the CPU functions', in two forms that give the same pixels: on a
 GPU one pair of batched matrix products (each output row and column a weighted sum of the window's pixels, the
@@ -23,7 +23,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch.nn import functional
-from torchvision import io
 
 from transforms.image import _dimensions, _encoded, _is_jpeg, crop_plan, flip_plan, resized_crop_plan
 from transforms.randomness import ROW
@@ -34,17 +33,20 @@ Params = dict[str, np.ndarray]
 
 @dataclass
 class Ragged:
-    """Images of different sizes as one tensor: each image's pixels at the top left of ``padded`` (N, C, H, W, the
-    batch's largest height and width), its (height, width) in ``sizes`` (N, 2)."""
+    """Images of different sizes, each (height, width) in ``sizes`` (N, 2): for a GPU one tensor, each image at the
+    top left of ``images`` (N, C, H, W, the batch's largest height and width: one copy to the device); on the CPU the
+    images themselves, a list of (C, H, W) tensors (no copy at all)."""
 
-    padded: torch.Tensor
+    images: torch.Tensor | list[torch.Tensor]
     sizes: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.sizes)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Ragged:
-        moved = (tensor.to(device, non_blocking=non_blocking) for tensor in (self.padded, self.sizes))
+        if isinstance(self.images, list):
+            return self  # the CPU's
+        moved = (tensor.to(device, non_blocking=non_blocking) for tensor in (self.images, self.sizes))
         return Ragged(*moved)
 
 
@@ -189,8 +191,8 @@ def _device_of(batch: Batch) -> torch.device:
     for value in batch.values():
         if isinstance(value, torch.Tensor):
             return value.device
-        if isinstance(value, Ragged):
-            return value.padded.device
+        if isinstance(value, Ragged) and isinstance(value.images, torch.Tensor):
+            return value.images.device
     return torch.device("cpu")
 
 
@@ -200,6 +202,8 @@ def decoded(values: Any, channels: int, device: torch.device) -> torch.Tensor | 
     CPU, then moved."""
     if isinstance(values, (torch.Tensor, Ragged)):
         return values
+    from torchvision import io  # here: a worker imports torchvision's decoders only to decode (a second or more)
+
     mode = io.ImageReadMode.GRAY if channels == 1 else io.ImageReadMode.RGB
     data = [torch.frombuffer(bytearray(_encoded(value)), dtype=torch.uint8) for value in values]
     jpegs = [i for i, value in enumerate(values) if _is_jpeg(_encoded(value))]
@@ -218,9 +222,9 @@ def resize_windows(
     """Each image's window ``boxes[i]`` (top, left, h, w), resized to ``size`` x ``size`` with torch's antialiased
     bilinear and mirrored where ``flips[i]``, as uint8 (N, C, size, size) on the images' device. A batch tensor on a
     GPU goes through :func:`batched_resize` (two matrix products); anything else image by image with torch's kernel
-    (on the CPU its uint8 one, fastest on channels-last pixels: how the feed pads them there)."""
+    (on the CPU its uint8 one)."""
     if isinstance(images, Ragged):
-        images = images.padded
+        images = images.images
     if isinstance(images, torch.Tensor) and images.is_cuda:
         return batched_resize(images, torch.as_tensor(boxes), torch.as_tensor(flips), size)
     return torch.stack([_resized(image, box, flip, size) for image, box, flip in zip(images, boxes, flips)])

@@ -84,6 +84,17 @@ class Cache:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class Indexed:
+    """A cached split the training workers read themselves (:func:`pipeline.data.pieces.shard`), gathering each
+    batch's rows from the cache's pieces as a DataLoader indexes what it holds: its cache, its ``rows``, and its row
+    numbers (:func:`pipeline.data.pieces.row_numbers`; the training split's, else None)."""
+
+    cache: Cache
+    rows: int
+    numbers: np.ndarray | None
+
+
 def build(
     groups: list[RowGroup],
     filesystem: pafs.FileSystem,

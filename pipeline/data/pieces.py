@@ -179,6 +179,74 @@ def trained(bits: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return (bits[rows >> 3] >> (7 - (rows & 7)).astype(np.uint8)) & 1 == 1
 
 
+@dataclass(frozen=True)
+class WindowRows:
+    """One window of an epoch as its rows are read: its pieces (``refs``), where each piece's rows start among the
+    window's (``starts``), the window's seeded ``order`` of its rows, and each row's number in the split (``numbers``,
+    by its place in the window; None: the split is not numbered)."""
+
+    refs: list[ray.ObjectRef]
+    starts: np.ndarray
+    order: np.ndarray
+    numbers: np.ndarray | None
+
+    def where(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The piece (an index into ``refs``) of each of ``rows`` (places in the window) and its place in the piece."""
+        piece = np.searchsorted(self.starts, rows, side="right") - 1
+        return piece, rows - self.starts[piece]
+
+    def untrained(self, rows: np.ndarray, done: np.ndarray | None) -> np.ndarray:
+        """``rows`` without those trained on before a stop (``done``: the epoch's packed bits)."""
+        return rows if done is None or self.numbers is None else rows[~trained(done, self.numbers[rows])]
+
+
+def window_rows(
+    source: Source, epoch: int, window: int, count: int, seed: int | None, numbers: np.ndarray | None
+) -> WindowRows:
+    """Window ``window`` of the ``count`` of ``epoch`` (waits until its pieces are read or built), its rows in the
+    order drawn from (``seed``, epoch, window), numbered from ``numbers`` (:func:`row_numbers`) when given."""
+    refs, sizes = source.window(epoch, window, count)
+    starts = np.cumsum([0, *(n for group in sizes for n, _ in group)])
+    total = int(starts[-1])
+    order = np.arange(total) if seed is None else np.random.default_rng([seed, epoch, window]).permutation(total)
+    number = None
+    if numbers is not None:  # each row's number: its row group's first, plus its place in the group
+        groups = window_groups(len(numbers) - 1, seed, epoch, count)[window]
+        held = [sum(n for n, _ in group) for group in sizes]
+        number = np.concatenate([numbers[g] + np.arange(n) for g, n in zip(groups, held)] or [np.zeros(0, int)])
+    return WindowRows(refs, starts, order, number)
+
+
+def shard(
+    source: Source,
+    windows: Windows,
+    epoch: int,
+    *,
+    seed: int | None,
+    numbers: np.ndarray | None,
+    done: np.ndarray | None,
+    rank: int,
+    world: int,
+    rows: int,
+) -> Iterator[tuple[WindowRows, np.ndarray]]:
+    """Worker ``rank`` of ``world``'s share of ``epoch``, read from ``source`` by the worker itself (a cache on its
+    node): each window's rows in the epoch's order, those trained on before a stop (``done``) left out, dealt round
+    the workers in turn as a DistributedSampler deals a permutation, so every worker moves through the windows
+    together (epoch 0 reads the cache as it is built). ``rows``: the epoch's rows left; each worker takes
+    ``rows // world`` of them, the rest none (Ray Train's equal split drops them too). Yields each window with the
+    places of this worker's rows in it."""
+    share, seen, taken, count = rows // world, 0, 0, windows.count(epoch)
+    for window in range(count):
+        if taken >= share:
+            return
+        read = window_rows(source, epoch, window, count, seed, numbers)
+        order = read.untrained(read.order, done)
+        mine = order[(rank - seen) % world :: world][: share - taken]
+        seen, taken = seen + len(order), taken + len(mine)
+        if len(mine):
+            yield read, mine
+
+
 def dataset(
     source: Source,
     windows: Windows,
@@ -203,28 +271,17 @@ def dataset(
         epoch, done = ray.get(coordinator.position.remote())
         count = windows.count(epoch)
         window, part, parts = task_share(int(batch["id"][0]), tasks, count)
-        refs, sizes = source.window(epoch, window, count)
-        rows = [n for group in sizes for n, _ in group]
-        starts = np.cumsum([0, *rows])
-        total = int(starts[-1])
-        order = np.arange(total) if seed is None else np.random.default_rng([seed, epoch, window]).permutation(total)
-        mine = np.array_split(order, parts)[part]
-        number = None
-        if numbers is not None:  # each row's number: its row group's first, plus its place in the group
-            groups = window_groups(len(numbers) - 1, seed, epoch, count)[window]
-            held = [sum(n for n, _ in group) for group in sizes]
-            number = np.concatenate([numbers[g] + np.arange(n) for g, n in zip(groups, held)] or [np.zeros(0, int)])
-            if done is not None:
-                mine = mine[~trained(ray.get(done), number[mine])]
+        rows = window_rows(source, epoch, window, count, seed, numbers)
+        mine = rows.untrained(np.array_split(rows.order, parts)[part], None if done is None else ray.get(done))
         if not len(mine):  # more tasks than rows (a transform skipped most of them), or all trained on
             return
-        piece_of = np.searchsorted(starts, mine, side="right") - 1
+        piece_of, place = rows.where(mine)
         needed = np.unique(piece_of)
-        found = dict(zip(needed.tolist(), ray.get([refs[i] for i in needed])))
+        found = dict(zip(needed.tolist(), ray.get([rows.refs[i] for i in needed])))
         for cut in np.array_split(np.arange(len(mine)), max(1, min(len(needed), CHUNKS_PER_TASK))):
-            rows_cut = source.take(found, piece_of[cut], mine[cut] - starts[piece_of[cut]])
-            if number is not None:
-                rows_cut[ROW] = number[mine[cut]]
+            rows_cut = source.take(found, piece_of[cut], place[cut])
+            if rows.numbers is not None:
+                rows_cut[ROW] = rows.numbers[mine[cut]]
             yield then(rows_cut, epoch)
 
     ds = ray.data.range(tasks, override_num_blocks=tasks).map_batches(epoch_part, batch_size=None, **options)

@@ -33,7 +33,7 @@ from pipeline.data.steps import (
     read_steps,
     streamed_steps,
 )
-from pipeline.runtime.cluster import placeable_nodes
+from pipeline.runtime.cluster import alive_nodes, placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
 
@@ -55,6 +55,8 @@ class TrainingData:
     mixing: Mixing | None = None
     # split -> the steps the training workers run on their device, after the batches reach them (steps.device_split)
     on_device: dict[str, dict[str, TransformSpec]] = field(default_factory=dict)
+    # split -> its cache, where the training workers read its rows themselves (no dataset for Ray Train to split)
+    indexed: dict[str, cache.Indexed] = field(default_factory=dict)
 
     def __enter__(self) -> TrainingData:
         return self
@@ -162,6 +164,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
     columns = [layout.model_input, layout.label]
     seed = cfg.train.seed if ingest.shuffle else None
     plan = plan or cache_plan(cfg, splits)
+    one_node = len(alive_nodes()) == 1
     data = TrainingData(
         datasets={},
         rows={name: split.rows for name, split in splits.items()},
@@ -173,19 +176,25 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             shuffle = seed if name == "train" else None
             groups = pieces.row_groups(split.files, split.filesystem, src.limit, layout.label)
             every_epoch = cached_steps(split.steps)[1] if plan.on else streamed_steps(split.steps)
-            data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu)[1]
+            in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu)
+            # a cache with nothing to run on its rows in Ray Data's tasks: the workers gather them from it (not where
+            # they may sit on other nodes; nor for ingest.standardize, whose pass over the split reads the rows)
+            indexed = plan.on and not in_tasks and one_node and not ingest.standardize
             if plan.on:
-                built = cached_dataset(
-                    split,
-                    groups,
-                    columns,
-                    data.coordinator,
-                    shuffle,
-                    plan.row_bytes[name],
-                    on_device=data.on_device[name],
-                    numbered=name == "train",
-                )
-                data.datasets[name], data.caches[name] = built
+                built = data.caches[name] = cached_split(split, groups, columns, shuffle, plan.row_bytes[name])
+                if indexed:
+                    numbers = pieces.row_numbers(groups) if name == "train" else None
+                    data.indexed[name] = cache.Indexed(cache=built, rows=split.rows, numbers=numbers)
+                else:
+                    data.datasets[name] = cached_dataset(
+                        split,
+                        built,
+                        groups,
+                        columns,
+                        data.coordinator,
+                        on_device=data.on_device[name],
+                        numbered=name == "train",
+                    )
             else:
                 streaming = streamed_dataset(
                     split,
@@ -294,43 +303,47 @@ def streamed_dataset(
     return epochs, streaming
 
 
-def cached_dataset(
-    split: source.Split,
-    groups: list[pieces.RowGroup],
-    columns: list[str],
-    coordinator,
-    shuffle_seed: int | None,
-    row_bytes: float,
-    *,
-    on_device: dict[str, TransformSpec] | None = None,
-    numbered: bool = False,
-) -> tuple[ray.data.Dataset, cache.Cache]:
+def cached_split(
+    split: source.Split, groups: list[pieces.RowGroup], columns: list[str], shuffle_seed: int | None, row_bytes: float
+) -> cache.Cache:
     """``split`` (its row ``groups``) with its steps that run once submitted now as Ray tasks
-    (:mod:`pipeline.data.cache`), and a lazy dataset that reads their output each epoch, mixed with
-    ``shuffle_seed``, with the per-epoch steps but those ``on_device`` (the training workers run them) chained on.
-    ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
-    once, every_epoch = cached_steps(split.steps)
-    where = read_placement(every_epoch)  # the gathering tasks run where the per-epoch steps would
-    every_epoch = {name: spec for name, spec in every_epoch.items() if name not in (on_device or {})}
-    prepare = Steps(once, read_steps(split))
+    (:mod:`pipeline.data.cache`), built in the order epoch 0 reads them (``shuffle_seed``'s); ``columns`` as
+    :func:`dataset`'s."""
+    once, _ = cached_steps(split.steps)
     first = next(iter(once.values()), None)
     build_options = {
         "num_cpus": max((s.num_cpus for s in once.values()), default=1.0),
         **(placement(first) if first else {}),
     }
-    columns_read = [*split.layout.inputs, *columns[1:]]
-    built = cache.build(
+    return cache.build(
         groups,
         split.filesystem,
-        columns_read,
-        prepare=prepare,
+        [*split.layout.inputs, *columns[1:]],
+        prepare=Steps(once, read_steps(split)),
         row_bytes=row_bytes,
         seed=shuffle_seed,
         options=build_options,
     )
+
+
+def cached_dataset(
+    split: source.Split,
+    built: cache.Cache,
+    groups: list[pieces.RowGroup],
+    columns: list[str],
+    coordinator,
+    *,
+    on_device: dict[str, TransformSpec] | None = None,
+    numbered: bool = False,
+) -> ray.data.Dataset:
+    """A lazy dataset that reads ``split``'s cache (``built`` from its row ``groups``) each epoch, mixed with the
+    cache's seed, with the per-epoch steps but those ``on_device`` (the training workers run them) chained on.
+    ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
+    _, every_epoch = cached_steps(split.steps)
+    where = read_placement(every_epoch)  # the gathering tasks run where the per-epoch steps would
+    every_epoch = {name: spec for name, spec in every_epoch.items() if name not in (on_device or {})}
     numbers = pieces.row_numbers(groups) if numbered else None
-    epochs = epoch_dataset(built, shuffle_seed, every_epoch, [], columns, coordinator, where=where, numbers=numbers)
-    return epochs, built
+    return epoch_dataset(built, built.seed, every_epoch, [], columns, coordinator, where=where, numbers=numbers)
 
 
 def epoch_dataset(

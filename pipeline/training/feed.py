@@ -2,28 +2,46 @@
 applied (:mod:`transforms.device`: the steps that run every epoch, on a GPU when the workers have one; which ones is
 the driver's :func:`pipeline.data.steps.device_split`).
 
-Batches come from Ray Data's ``iter_torch_batches``, collated in its threads while the worker trains. Without device
-steps, its own collate and transfer, in pinned memory on a GPU. With them, :class:`Collate` plans each step's draws
-on the CPU (per row: its window, its flip) and turns the columns into tensors, ragged pixels padded into one pinned
-tensor (:class:`transforms.device.Ragged`) and encoded images left as they are; the batch then moves to the device
-(``non_blocking``) and the steps run there, so what Ray Data's tasks hand over is what the cache holds (or the encoded
-bytes of a streamed split), a fraction of the cropped pixels' bytes for JPEGs.
+Batches come one of two ways:
+
+- From Ray Data's ``iter_torch_batches`` (a streamed split, or a cached one with steps to run in Ray Data's tasks or
+  spread over nodes), collated in its threads while the worker trains: without device steps by Ray's own collate and
+  transfer, in pinned memory on a GPU.
+- Read by the worker itself (a cached split with nothing to run in Ray Data's tasks, on a one-node runtime:
+  :class:`pipeline.data.cache.Indexed`): the worker deals itself its share of the epoch's order
+  (:func:`pipeline.data.pieces.shard`, as a DistributedSampler does) and gathers each batch's rows from the cache's
+  pieces, mapped from the node's shared memory: one copy a row, no task, no split coordinator, no call per batch,
+  as a DataLoader indexing what it holds in memory.
+
+Either way :class:`Collate` plans each device step's draws on the CPU (per row: its window, its flip) and turns the
+columns into tensors, ragged pixels padded into one pinned tensor (:class:`transforms.device.Ragged`) and encoded
+images left as they are; the batch then moves to the device (``non_blocking``) and the steps run there, so what
+reaches the worker is what the cache holds (or a streamed split's encoded bytes), not the cropped pixels. That work
+runs in ``ingest.prefetch_batches`` threads ahead of the training step (:func:`ahead`), as a DataLoader's workers.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
+import ray.train
 import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from pipeline.config import IngestConfig, TransformSpec
+from pipeline.data import pieces
+from pipeline.data.cache import Cache, Indexed
 from pipeline.data.steps import device_form, device_params
 from transforms.device import Ragged
+from transforms.randomness import ROW
 
 
 @dataclass(frozen=True)
@@ -36,14 +54,14 @@ class Collated:
 
 
 class Collate(NumpyBatchCollateFn):
-    """In Ray Data's collate threads: each device step's draws planned for the batch (``epoch``'s), then its columns as
-    tensors, pinned for a GPU: ragged pixels padded into one tensor (channels last on the CPU, where torch's resize is
-    fastest on them), encoded images left for the device step that decodes them."""
+    """Off the training thread: each device step's draws planned for the batch (``epoch``'s), then its columns as
+    tensors, pinned for a GPU: ragged pixels padded into one tensor for a GPU (left as they are for the CPU), encoded
+    images left for the device step that decodes them."""
 
     def __init__(self, steps: list, epoch: int, device: torch.device):
         super().__init__()
-        self.steps, self.epoch, self.pinned = steps, epoch, device.type == "cuda"
-        self.channels_last = device.type == "cpu"
+        self.steps, self.epoch = steps, epoch
+        self.pad = self.pin = device.type == "cuda"  # one tensor a column, in pinned memory, for a GPU
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Collated:
         params = [step.plan(batch, self.epoch) for step in self.steps]
@@ -54,62 +72,174 @@ class Collate(NumpyBatchCollateFn):
             with warnings.catch_warnings():  # pixels from Ray's object store are read-only; nothing writes to them
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
                 tensor = torch.from_numpy(values)
-            return tensor.pin_memory() if self.pinned else tensor
+            return tensor.pin_memory() if self.pin else tensor
         if len(values) and all(isinstance(value, np.ndarray) for value in values):
-            return self.padded(values)
+            return self.ragged(values)
         return values  # encoded images: the device step that takes them decodes them
 
-    def padded(self, images: np.ndarray) -> Ragged:
-        """Images of different sizes (C, H, W) at the top left of one uint8 tensor (N, C, H, W)."""
+    def ragged(self, images: np.ndarray) -> Ragged:
+        """Images of different sizes (C, H, W): for a GPU at the top left of one pinned uint8 tensor (N, C, H, W),
+        for the CPU as they are."""
         sizes = np.array([image.shape[1:] for image in images], dtype=np.int64)
+        if not self.pad:
+            with warnings.catch_warnings():  # read-only pixels from Ray's object store: the steps only read them
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                return Ragged([torch.from_numpy(image) for image in images], torch.from_numpy(sizes))
         channels, (height, width) = images[0].shape[0], sizes.max(axis=0)
-        shape = (len(images), height, width, channels) if self.channels_last else (len(images), channels, height, width)
-        padded = torch.zeros(shape, dtype=torch.uint8, pin_memory=self.pinned)
+        padded = torch.zeros((len(images), channels, height, width), dtype=torch.uint8, pin_memory=self.pin)
         target = padded.numpy()
         for i, image in enumerate(images):
-            h, w = image.shape[1:]
-            if self.channels_last:
-                target[i, :h, :w] = image.transpose(1, 2, 0)
-            else:
-                target[i, :, :h, :w] = image
-        return Ragged(padded.permute(0, 3, 1, 2) if self.channels_last else padded, torch.from_numpy(sizes))
+            target[i, :, : image.shape[1], : image.shape[2]] = image
+        return Ragged(padded, torch.from_numpy(sizes))
 
 
 class Feed:
-    """One split's batches for this worker: Ray Data's shard, then the split's device steps (``steps``, built once
-    here from their config)."""
+    """One split's batches for this worker (``split``: its name; ``indexed``: its cache, when the worker reads it
+    itself, keeping ``columns``), then the split's device steps (``steps``, built once here from their config)."""
 
-    def __init__(self, steps: dict[str, TransformSpec], device: torch.device, ingest: IngestConfig):
+    def __init__(
+        self,
+        split: str,
+        steps: dict[str, TransformSpec],
+        device: torch.device,
+        ingest: IngestConfig,
+        *,
+        indexed: Indexed | None = None,
+        columns: list[str] | None = None,
+    ):
         self.steps = [device_form(spec)(**device_params(spec)) for spec in steps.values()]
-        self.device, self.ingest = device, ingest
+        self.split, self.device, self.ingest, self.indexed, self.columns = split, device, ingest, indexed, columns
 
     def batches(
-        self, shard, *, epoch: int, world_size: int, training: bool, seed: int | None = None
+        self,
+        *,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        training: bool,
+        seed: int | None = None,
+        trained: np.ndarray | None = None,
+        shard=None,
     ) -> Iterator[dict[str, Any]]:
-        """This worker's shard of the split (``epoch``'s pass) as batches on the device, after the device steps.
-        Training shuffles in a local buffer and drops its last partial batch when ``ingest`` says so; validation
-        never does."""
-        ingest = self.ingest
+        """This worker's share of the split (``epoch``'s pass) as batches on the device, after the device steps,
+        without the rows ``trained`` on before a stop (an indexed split: Ray Data's passes leave them out as the job's
+        coordinator says). Training shuffles in a local buffer (Ray Data's shards) and drops its last partial batch
+        when ``ingest`` says so; validation never does. ``shard``: the Ray Data iterator to read (default: Ray
+        Train's shard of the split)."""
+        ingest, collate = self.ingest, Collate(self.steps, epoch, self.device)
+        drop_last, threads = ingest.drop_last and training, max(1, ingest.prefetch_batches)
+        if self.indexed is not None:
+            rows = self.read(epoch, rank, world_size, trained, drop_last)
+            return ahead(rows, lambda batch: self.prepared(collate(batch)), threads)
         options = {
             "batch_size": ingest.batch_size // world_size,
             "prefetch_batches": ingest.prefetch_batches,
             "local_shuffle_buffer_size": ingest.local_shuffle_buffer_size if training else None,
             "local_shuffle_seed": seed,
-            "drop_last": ingest.drop_last and training,
+            "drop_last": drop_last,
         }
+        shard = shard if shard is not None else ray.train.get_dataset_shard(self.split)
         if not self.steps:
             return shard.iter_torch_batches(**options, device=self.device, pin_memory=self.device.type == "cuda")
-        return self.on_device(shard.iter_torch_batches(**options, collate_fn=Collate(self.steps, epoch, self.device)))
+        return ahead(shard.iter_torch_batches(**options, collate_fn=collate), self.prepared, threads)
 
-    def on_device(self, collated: Iterator[Collated]) -> Iterator[dict[str, Any]]:
-        for item in collated:
-            batch = {name: moved(value, self.device) for name, value in item.batch.items()}
-            for step, params in zip(self.steps, item.params):
-                batch = step(batch, params)
-            yield batch
+    def read(
+        self, epoch: int, rank: int, world: int, trained: np.ndarray | None, drop_last: bool
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """This worker's batches of an indexed split, gathered from its cache's pieces (held, mapped, for the epoch)."""
+        indexed, batch = self.indexed, self.ingest.batch_size // world
+        left = indexed.rows - (int(np.unpackbits(trained).sum()) if trained is not None else 0)
+        held: dict[ray.ObjectRef, dict[str, np.ndarray]] = {}
+        refs: list[ray.ObjectRef] = []
+        places, numbers = [], []
+        share = pieces.shard(
+            indexed.cache,
+            indexed.cache.windows,
+            epoch,
+            seed=indexed.cache.seed,
+            numbers=indexed.numbers,
+            done=trained,
+            rank=rank,
+            world=world,
+            rows=left,
+        )
+        for window, mine in share:
+            piece, place = window.where(mine)
+            refs += [window.refs[i] for i in piece]
+            places.append(place)
+            numbers.append(window.numbers[mine] if window.numbers is not None else place)
+            while len(refs) >= batch:
+                yield self.gathered(held, refs[:batch], *cut(places, numbers, batch))
+                refs = refs[batch:]
+        if refs and not drop_last:
+            yield self.gathered(held, refs, *cut(places, numbers, len(refs)))
+
+    def gathered(
+        self, held: dict, refs: list[ray.ObjectRef], place: np.ndarray, numbers: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """The rows at ``place`` of the pieces ``refs`` (a row each), the split's ``columns`` and, for a numbered
+        split, their numbers: the pieces are mapped from the object store once an epoch (``held``), and a ragged
+        image is not copied until it is padded."""
+        keys: dict[ray.ObjectRef, int] = {}
+        piece = np.array([keys.setdefault(ref, len(keys)) for ref in refs])
+        missing = [ref for ref in keys if ref not in held]
+        held.update(zip(missing, ray.get(missing)))
+        parts = {i: {name: held[ref][name] for name in self.columns} for ref, i in keys.items()}
+        rows = Cache.take(parts, piece, place)
+        return rows | ({ROW: numbers} if self.indexed.numbers is not None else {})
+
+    def prepared(self, collated: Collated) -> dict[str, Any]:
+        """A collated batch on the device, its device steps run (in a feed thread: on a GPU, launched on the stream
+        the training step then uses)."""
+        batch = {name: moved(value, self.device) for name, value in collated.batch.items()}
+        for step, params in zip(self.steps, collated.params):
+            batch = step(batch, params)
+        return batch
+
+
+def cut(places: list[np.ndarray], numbers: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``count`` of the rows ``places`` and ``numbers`` hold (lists of arrays, consumed in place)."""
+    place, number = np.concatenate(places), np.concatenate(numbers)
+    places[:], numbers[:] = [place[count:]], [number[count:]]
+    return place[:count], number[:count]
 
 
 def moved(value: Any, device: torch.device) -> Any:
     """A column on the training device (``non_blocking``: from pinned memory the copy overlaps the step); encoded
     images stay where they are for the step that decodes them."""
     return value.to(device, non_blocking=True) if isinstance(value, (torch.Tensor, Ragged)) else value
+
+
+def ahead(items: Iterator, work: Callable[[Any], Any], threads: int) -> Iterator:
+    """``work(item)`` for each of ``items``, in order, done in ``threads`` threads up to ``threads`` items ahead of
+    the caller (a DataLoader's workers and prefetch): ``items`` is drawn in a thread of its own, each item's work
+    in the pool. An error there is raised here; a caller that stops early lets the threads go at their next item."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="feed")
+    futures: queue.Queue = queue.Queue(maxsize=threads)
+    stop, end = threading.Event(), object()
+
+    def submit() -> None:
+        try:
+            for item in items:
+                future = pool.submit(work, item)
+                while not stop.is_set():
+                    try:
+                        futures.put(future, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            futures.put(end)
+        except BaseException as err:  # handed to the caller, raised there
+            futures.put(err)
+
+    threading.Thread(target=submit, name="feed-order", daemon=True).start()
+    try:
+        while (future := futures.get()) is not end:
+            if isinstance(future, BaseException):
+                raise future
+            yield future.result()
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)

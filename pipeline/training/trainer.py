@@ -88,6 +88,7 @@ def build_trainer(
                 initial=ray.put(initial) if initial is not None else None,
                 storage=storage,
                 on_device=data.on_device,
+                indexed=data.indexed,
                 notice=notice,
             )
         },

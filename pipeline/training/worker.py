@@ -32,6 +32,7 @@ from ray.train import CheckpointUploadMode
 
 from pipeline.common.metrics import LOSSES
 from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, TaskType, TransformSpec
+from pipeline.data.source import Layout
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import checkpoint, parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
@@ -58,6 +59,7 @@ class WorkerJob:
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
     storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
     on_device: dict[str, dict[str, TransformSpec]]  # split -> the steps this worker runs on its device (feed.py)
+    indexed: dict[str, list[ray.ObjectRef]]  # split -> its cache's pieces, where this worker gathers its rows (feed.py)
     notice: Any = None  # the driver's preemption.Notice: a stop with notice, answered with a checkpoint
 
 
@@ -72,7 +74,13 @@ def train_loop_per_worker(config: dict) -> None:
         torch.set_num_threads(cfg.scaling.torch_threads)
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
-    feeds = {split: Feed(steps, device, cfg.ingest) for split, steps in job.on_device.items()}
+    layout = Layout.of(cfg.source)
+    feeds = {  # each split's batches, on this worker's device (feed.py)
+        split: Feed(
+            split, steps, device, cfg.ingest, indexed=job.indexed.get(split), columns=[layout.model_input, layout.label]
+        )
+        for split, steps in job.on_device.items()
+    }
 
     restore = restore_point(job.storage)  # a restarted worker group, or a resumed run
     start, epochs = (restore.next_epoch if restore else 0), cfg.train.epochs
@@ -81,7 +89,8 @@ def train_loop_per_worker(config: dict) -> None:
     # Ray Data starts reading and decoding the first epoch while the model is built, without the rows trained on
     # before the checkpoint within it
     trained = within.trained if within else None
-    first = train_batches(feeds["train"], cfg, start, coordinator, world_size, trained) if start < epochs else ()
+    shard = {"rank": rank, "world": world_size}
+    first = train_batches(feeds["train"], cfg, start, coordinator, **shard, trained=trained) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
@@ -105,9 +114,8 @@ def train_loop_per_worker(config: dict) -> None:
     )
 
     for epoch in range(start, epochs):
-        batches = (
-            first_batches if epoch == start else train_batches(feeds["train"], cfg, epoch, coordinator, world_size)
-        )
+        later = epoch != start
+        batches = train_batches(feeds["train"], cfg, epoch, coordinator, **shard) if later else first_batches
         resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
         ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
         trained = train_epoch(
@@ -125,9 +133,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         telemetry, step = trained
         metrics = telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
-        valid = feeds["valid"].batches(
-            ray.train.get_dataset_shard("valid"), epoch=epoch, world_size=world_size, training=False
-        )
+        valid = feeds["valid"].batches(epoch=epoch, rank=rank, world_size=world_size, training=False)
         scores = validate(replica, valid, checkpoints.notice_seen)
         if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
             checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
@@ -337,14 +343,21 @@ class StepCheckpoints:
 
 
 def train_batches(
-    feed: Feed, cfg: PipelineConfig, epoch: int, coordinator, world_size: int, trained: np.ndarray | None = None
+    feed: Feed,
+    cfg: PipelineConfig,
+    epoch: int,
+    coordinator,
+    *,
+    rank: int,
+    world: int,
+    trained: np.ndarray | None = None,
 ) -> Iterator[dict]:
     """This worker's training shard for ``epoch`` on its device (:class:`pipeline.training.feed.Feed`), without the
     rows ``trained`` on before a resume. The epoch is set on the job's coordinator first, since the seeded transforms
     of the pass read it (the pass starts once every worker has asked for it)."""
     ray.get(coordinator.set_epoch.remote(epoch, trained))
-    shard = ray.train.get_dataset_shard("train")
-    return feed.batches(shard, epoch=epoch, world_size=world_size, training=True, seed=cfg.train.seed + epoch)
+    seed = cfg.train.seed + epoch
+    return feed.batches(epoch=epoch, rank=rank, world_size=world, training=True, seed=seed, trained=trained)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
