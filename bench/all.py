@@ -138,6 +138,14 @@ def detail(row: dict) -> str:
         )
     )
     epochs.append(("val_accuracy", span(accuracy["pipeline"], digits=4), span(accuracy["baseline"], digits=4), "", ""))
+    labels = {
+        "per_1k": "CPU-seconds per 1,000 samples, whole command (every process)",
+        "warm_trainer_per_1k": "CPU-seconds per 1,000 samples, warm epochs: the training process(es)",
+        "warm_rest_per_1k": "CPU-seconds per 1,000 samples, warm epochs: every other process (Ray's; the DataLoader's)",
+    }
+    for figure, cpu in row.get("cpu_per_1k", {}).items():
+        cells = (span(cpu["pipeline"], digits=3), span(cpu["baseline"], digits=3), span(cpu["ratio"], "x"))
+        epochs.append((labels[figure], *cells, ""))
     header = ("", "pipeline, samples/s", "baseline, samples/s", "pipeline / baseline", "data wait, pipeline / baseline")
     return f"### {row['run']}, against the {row['baseline']} ({row['kind']})\n\n{markdown(epochs, header)}"
 

@@ -58,7 +58,8 @@ COMMON = [
     "tracking.system_metrics_s=null",
     "tracking.log_model=false",
 ]
-PHOTOS = ["source=photos", "transforms=imagenet", "model.size=224", "model.stride=8", f"source.root={BENCH_DATA}"]
+PHOTO_DATA = ["source=photos", "transforms=imagenet", f"source.root={BENCH_DATA}"]
+PHOTOS = [*PHOTO_DATA, "model.size=224", "model.stride=8"]  # the probe over every 8th pixel of the 224 crops
 STREAMED_ROWS = 40_000  # the plain loop's epoch over them lasts more than 20 s on 2 cores: fixed costs do not decide
 # a baseline: (--data, --transforms) of bench/plain.py
 SAME_STEPS_DECODED, TORCHVISION_DECODED = ("decoded", "pipeline"), ("decoded", "torchvision")
@@ -124,17 +125,27 @@ def model_alone(
     return max(rates)
 
 
+def side_by_side(overrides: list[str], baselines: list[tuple[str, str]], outputs: Path) -> dict:
+    """The pipeline (its outputs in ``outputs``) and each of ``baselines``, one command after another, on the same
+    ``overrides`` (bench/conf's models on the search path); a photo set is written first, when missing, outside
+    either side's timed run."""
+    from pipeline.api import compose
+
+    searchpath = f"hydra.searchpath=[file://{BENCH / 'conf'}]"
+    source.prepare(compose([*overrides, searchpath]).source)
+    out = {"pipeline": pipeline_run(["--config-dir", str(BENCH / "conf"), *overrides], outputs)}
+    for baseline in baselines:
+        out["/".join(baseline)] = plain_run(*baseline, [*overrides, searchpath])
+    return out
+
+
 def measure(name: str, seed: int, extra: list[str], workdir: Path) -> dict:
     """One set, one seed: the pipeline, each baseline, the model alone."""
     from pipeline.api import compose
 
     overrides = [*COMMON, *SETS[name]["overrides"], f"train.seed={seed}", *extra]
-    searchpath = f"hydra.searchpath=[file://{BENCH / 'conf'}]"
-    cfg = compose([*overrides, searchpath])
-    source.prepare(cfg.source)  # a photo set is written now, when missing: not in either side's timed run
-    out = {"pipeline": pipeline_run(["--config-dir", str(BENCH / "conf"), *overrides], workdir / f"{name}-{seed}")}
-    for baseline in SETS[name]["baselines"]:
-        out["/".join(baseline)] = plain_run(*baseline, [*overrides, searchpath])
+    out = side_by_side(overrides, SETS[name]["baselines"], workdir / f"{name}-{seed}")
+    cfg = compose([*overrides, f"hydra.searchpath=[file://{BENCH / 'conf'}]"])
     batch = plain.rows(cfg, "valid", *SAME_STEPS).__getitems__([(0, i) for i in range(cfg.ingest.batch_size)])
     out["model_alone"] = model_alone(cfg, *batch)
     return out

@@ -14,8 +14,9 @@ Two choices name the baseline, and every benchmark row says which it ran against
 
     python bench/plain.py --data decoded --transforms pipeline [--device cuda] OVERRIDES...
 
-Prints one JSON line: per epoch samples/s, data wait and val_accuracy, and the wall clock at the first training
-step's end and the last validation's (``first_step_at``, ``validated_at``), for the caller's whole-command times.
+Prints one JSON line: per epoch samples/s, data wait, val_accuracy and the wall clock at its end (``epoch_ends``), the
+wall clock at the first training step's end and the last validation's (``first_step_at``, ``validated_at``), for the
+caller's whole-command times, the training rows and this process's id (its DataLoader workers are the rest).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def train(cfg: PipelineConfig, data: str, transforms: str, device: str = "cpu") 
     if cfg.scheduler is not None:
         total = epochs * len(train_batches)
         scheduler = instantiate(cfg.scheduler, optimizer=optimizer, total_steps=total, _convert_="all")
-    figures = {"samples_s": [], "data_wait_fraction": [], "val_accuracy": []}
+    figures = {"samples_s": [], "data_wait_fraction": [], "val_accuracy": [], "epoch_ends": []}
     first_step_at = None
     for _ in range(epochs):
         model.train()
@@ -225,7 +226,14 @@ def train(cfg: PipelineConfig, data: str, transforms: str, device: str = "cpu") 
                 correct += (outputs.argmax(dim=1).cpu() == labels).sum().item()
                 count += len(labels)
         figures["val_accuracy"].append(round(correct / count, 4))
-    return {**figures, "first_step_at": first_step_at, "validated_at": time.time()}
+        figures["epoch_ends"].append(time.time())
+    return {
+        **figures,
+        "first_step_at": first_step_at,
+        "validated_at": time.time(),
+        "train_rows": len(train_batches.dataset),
+        "pid": os.getpid(),
+    }
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The benchmark's model: cheap enough that feeding it is the bound (``bench/ingest.py``).
+"""The benchmarks' models: cheap enough that feeding them is the bound.
 
-A linear classifier on every ``stride``-th pixel, taking uint8 images as the pipeline hands them over
-with ``ingest.normalize=null`` (on a GPU node, scaling pixels is the GPU's work, not the data CPUs').
+:class:`LinearProbe` (``bench/ingest.py``) is a linear classifier on every ``stride``-th pixel, taking uint8 images
+as the pipeline hands them over with ``ingest.normalize=null`` (on a GPU node, scaling pixels is the GPU's work, not
+the data CPUs'). :class:`Null` (``bench/feed.py``) reads nothing of its batch but its length: an epoch's time is the
+feed's.
 """
 
 from __future__ import annotations
@@ -18,3 +20,14 @@ class LinearProbe(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         pixels = images[:, :, :: self.stride, :: self.stride].flatten(1).float().mul_(1 / 255)
         return self.linear(pixels)
+
+
+class Null(torch.nn.Module):
+    """A bias per class, the same for every image: something for the optimizer to step, and nothing to compute."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(num_classes))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.bias.expand(len(images), -1)

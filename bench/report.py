@@ -14,6 +14,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from cpu import Meter
 from mlflow import MlflowClient
 
 OUT_DIR = Path("outputs/bench")
@@ -119,6 +120,14 @@ def comparison(run: str, baseline: str, kind: str, ours: list[dict], theirs: lis
             "pipeline": spread([o["val_accuracy"][-1] for o in ours], 4),
             "baseline": spread([t["val_accuracy"][-1] for t in theirs], 4),
         },
+        "cpu_per_1k": {  # CPU-seconds per 1,000 training samples (cpu_figures)
+            figure: {
+                "pipeline": spread([o["cpu"][figure] for o in ours], 3),
+                "baseline": spread([t["cpu"][figure] for t in theirs], 3),
+                "ratio": spread([o["cpu"][figure] / max(t["cpu"][figure], 1e-9) for o, t in pairs]),
+            }
+            for figure in ("per_1k", "warm_trainer_per_1k", "warm_rest_per_1k")
+        },
     }
 
 
@@ -131,19 +140,45 @@ def table(rows: list[tuple], header: tuple) -> str:
     )
 
 
-def command(args: list[str], log: Path | None = None, env: dict | None = None) -> tuple[float, float, str]:
-    """Run ``args`` as a command (its console to ``log`` when given); its wall-clock start, its seconds to exit and
-    the console's last line. A failure raises with the console's tail."""
-    launched, start = time.time(), time.perf_counter()
+def command(args: list[str], log: Path | None = None, env: dict | None = None) -> tuple[float, float, str, Meter]:
+    """Run ``args`` as a command (its console to ``log`` when given), its CPU metered (:class:`cpu.Meter`: every
+    process it starts); its wall-clock start, its seconds to exit, the console's last line and the meter. A failure
+    raises with the console's tail."""
+    launched, start, meter = time.time(), time.perf_counter(), Meter()
     if log:
         log.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no outputs/bench yet
     with open(log, "w+") if log else tempfile.TemporaryFile("w+") as console:
-        done = subprocess.run(args, stdout=console, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            args, stdout=console, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, preexec_fn=meter.enter
+        )
+        meter.watch(process.pid)
+        returncode = process.wait()
+        meter.stop()
         console.seek(0)
         said = console.read()
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{said[-3000:]}")
-    return launched, round(time.perf_counter() - start, 1), said.strip().splitlines()[-1] if said.strip() else ""
+    if returncode:
+        raise RuntimeError(f"{' '.join(args)} exited {returncode}:\n{said[-3000:]}")
+    return launched, round(time.perf_counter() - start, 1), said.strip().splitlines()[-1] if said.strip() else "", meter
+
+
+def cpu_figures(meter: Meter, samples: int, warm: tuple[float, float], warm_samples: int, trainers: set[int]) -> dict:
+    """CPU-seconds per 1,000 training samples: the whole command's (every process, from its start to its exit), and
+    over the warm epochs (``warm``: wall-clock from the end of epoch 1 to the end of the last, ``warm_samples``
+    trained in between) those of the training process(es) ``trainers`` and of every other process apart."""
+    during = meter.between(*warm)
+    trainer = sum(cpu for pid, cpu in during.items() if pid in trainers)
+    rest = sum(cpu for pid, cpu in during.items() if pid not in trainers)
+    per_1k = 1000 / max(warm_samples, 1)
+    return {
+        **meter.figures(),
+        "per_1k": round(meter.total_s * 1000 / max(samples, 1), 3),
+        "warm_trainer_per_1k": round(trainer * per_1k, 3),
+        "warm_rest_per_1k": round(rest * per_1k, 3),
+        "warm_rest": sorted(
+            ([meter.names.get(pid, "?"), round(cpu, 2)] for pid, cpu in during.items() if pid not in trainers),
+            key=lambda item: -item[1],
+        )[:15],
+    }
 
 
 def bench_env() -> dict:
@@ -156,15 +191,20 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
     """Run ``python -m pipeline ARGS`` as a user does; its figures come back from the MLflow run it logged
     in ``outputs``: samples/s, data_wait_fraction and val_accuracy per epoch, startup_s (command to first
     training step), the cache's build seconds (when it cached), seconds from the command to its last
-    validation (``to_validation_s``, the whole run as the plain loop's is timed) and to its exit (``wall_s``)."""
+    validation (``to_validation_s``, the whole run as the plain loop's is timed) and to its exit (``wall_s``), and
+    its CPU-seconds (:func:`cpu_figures`; the training workers' process ids from the run's workers.jsonl)."""
     argv = [sys.executable, "-m", "pipeline", *args, f"paths.outputs={outputs}"]
-    launched, wall, _ = command(argv, log, {**bench_env(), **(env or {})})
+    launched, wall, _, meter = command(argv, log, {**bench_env(), **(env or {})})
     client, run = last_run(outputs)
 
     def history(key: str) -> list[float]:
         return metric_history(client, run, key)
 
     validations = sorted(client.get_metric_history(run.info.run_id, "val_accuracy"), key=lambda m: m.step)
+    ends = [m.timestamp / 1000 for m in validations]  # each epoch's report: its training and validation done
+    rows = history("train_rows")
+    newest = max(outputs.glob("runs/*/*/workers.jsonl"), key=lambda path: path.stat().st_mtime)
+    trainers = {json.loads(line)["pid"] for line in newest.read_text().splitlines()}
     return {
         "samples_s": [round(v) for v in history("train_throughput")],
         "data_wait_fraction": [round(v, 3) for v in history("data_wait_fraction")],
@@ -174,19 +214,24 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "to_validation_s": round(validations[-1].timestamp / 1000 - launched, 1),
         "wall_s": wall,
+        "cpu": cpu_figures(meter, int(sum(rows)), (ends[0], ends[-1]), int(sum(rows[1:])), trainers),
     }
 
 
 def plain_run(data: str, transforms: str, overrides: list[str], device: str = "cpu", log: Path | None = None) -> dict:
     """Run the plain loop (``bench/plain.py``, the baseline ``data`` x ``transforms``) as a command of its own:
     its per-epoch figures, seconds from the command to its first training step (``startup_s``, as the pipeline's),
-    to its last validation and to its exit."""
+    to its last validation and to its exit, and its CPU-seconds (:func:`cpu_figures`: the loop's own process as
+    the trainer, its DataLoader workers the rest)."""
     script = str(Path(__file__).with_name("plain.py"))
     argv = [sys.executable, script, "--data", data, "--transforms", transforms, "--device", device, *overrides]
-    launched, wall, last = command(argv, log, bench_env())
+    launched, wall, last, meter = command(argv, log, bench_env())
     figures = json.loads(last)
     first_step_s, to_validation_s = (round(figures.pop(key) - launched, 1) for key in ("first_step_at", "validated_at"))
-    return {**figures, "startup_s": first_step_s, "to_validation_s": to_validation_s, "wall_s": wall}
+    ends, rows = figures.pop("epoch_ends"), figures.pop("train_rows")
+    warm = (ends[0], ends[-1]), rows * (len(ends) - 1)
+    cpu = cpu_figures(meter, rows * len(ends), *warm, trainers={figures.pop("pid")})
+    return {**figures, "startup_s": first_step_s, "to_validation_s": to_validation_s, "wall_s": wall, "cpu": cpu}
 
 
 def last_run(outputs: Path):
@@ -222,13 +267,18 @@ def span(figure: dict, unit: str = "", digits: int = 2) -> str:
 
 def comparison_cells(row: dict) -> tuple[str, ...]:
     """A :func:`comparison` as table cells: what ran, against what (and what is held equal), the ratio per epoch,
-    the whole command's seconds and ratio, and mean accuracy (each range over the runs)."""
-    whole = row["to_validation_s"]
+    the whole command's seconds and ratio, its CPU-seconds per 1,000 samples and their ratio, and mean accuracy
+    (each range over the runs)."""
+    whole, cpu = row["to_validation_s"], row.get("cpu_per_1k", {}).get("per_1k")
+    cpu_cell = "not measured"
+    if cpu:
+        cpu_cell = f"{span(cpu['pipeline'], digits=2)} vs {span(cpu['baseline'], digits=2)}: {span(cpu['ratio'], 'x')}"
     return (
         row["run"],
         f"{row['baseline']} ({row['kind']})",
         " / ".join(span(epoch["ratio"], "x") for epoch in row["samples_s"]),
         f"{span(whole['pipeline'], ' s', 1)} vs {span(whole['baseline'], ' s', 1)}: {span(whole['ratio'], 'x')}",
+        cpu_cell,
         f"{row['val_accuracy']['pipeline']['mean']:.3f} / {row['val_accuracy']['baseline']['mean']:.3f}",
     )
 
@@ -238,6 +288,7 @@ COMPARISON_HEADER = (
     "baseline",
     "pipeline / baseline, samples/s per epoch",
     "command to its last validation, pipeline vs baseline (baseline / pipeline)",
+    "CPU-seconds per 1,000 samples, whole command, pipeline vs baseline (pipeline / baseline)",
     "val_accuracy, pipeline / baseline (mean)",
 )
 
