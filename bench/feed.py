@@ -1,5 +1,5 @@
 """The feed alone: batches handed to one training worker whose model reads nothing of them (``bench/probe.py``'s
-``Null``), the pipeline with its defaults against a DataLoader over the same rows decoded once and held in memory with
+``Bias``), the pipeline with its defaults against a DataLoader over the same rows decoded once and held in memory with
 the same steps (``bench/plain.py --data decoded --transforms pipeline``: a worker per core, persistent), side by side,
 over seeds, on cached sets:
 

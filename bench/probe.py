@@ -2,7 +2,7 @@
 
 :class:`LinearProbe` (``bench/ingest.py``) is a linear classifier on every ``stride``-th pixel, taking uint8 images
 as the pipeline hands them over with ``ingest.normalize=null`` (on a GPU node, scaling pixels is the GPU's work, not
-the data CPUs'). :class:`Null` (``bench/feed.py``) reads nothing of its batch but its length: an epoch's time is the
+the data CPUs'). :class:`Bias` (``bench/feed.py``) reads nothing of its batch but its length: an epoch's time is the
 feed's.
 """
 
@@ -22,7 +22,7 @@ class LinearProbe(torch.nn.Module):
         return self.linear(pixels)
 
 
-class Null(torch.nn.Module):
+class Bias(torch.nn.Module):
     """A bias per class, the same for every image: something for the optimizer to step, and nothing to compute."""
 
     def __init__(self, num_classes: int):
