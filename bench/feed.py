@@ -4,15 +4,17 @@ the same steps (``bench/plain.py --data decoded --transforms pipeline``: a worke
 over seeds, on cached sets:
 
 - ``cifar``: CIFAR-10's 50,000 training rows, crop and flip every epoch;
-- ``photos``: 6,400 photos at their 256-pixel working size, the random-resized crop to 224 (and its flip) every epoch;
-- ``photos-device``: the same, the crop put on the training device (``transforms.train.crop.on_device=true``; with
-  no GPU, the training worker's CPU): Ray Data's tasks then only gather the working size, so the CPU-seconds of
-  every process but the training worker are what the run's machinery costs once the per-epoch work is off the CPUs.
+- ``photos``: 6,400 photos at their 256-pixel working size, the random-resized crop to 224 (and its flip) every epoch.
+
+With the defaults on one node the worker reads the cache itself and runs those steps on its device (with no GPU,
+in its feed threads), so the CPU-seconds of every process but the training worker are what the run's machinery
+costs once the per-epoch work is off the other processes: on a GPU, what the CPUs pay. ``photos-tasks`` is the
+photos with the crop kept in Ray Data's CPU tasks (``transforms.train.crop.on_device=false``), for the contrast.
 
 Each side is a command of its own, its CPU-seconds counted over every process it starts (``bench/cpu.py``).
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data \\
-        python bench/feed.py [--sets cifar,photos,photos-device] [--seeds 0,1,2] [OVERRIDES...]
+        python bench/feed.py [--sets cifar,photos,photos-tasks] [--seeds 0,1,2] [OVERRIDES...]
 
 About 3 minutes per seed and set on 2 cores. Prints a table per set and writes outputs/bench/feed.json.
 """
@@ -40,7 +42,7 @@ COMMON = [
 SETS = {
     "cifar": [],
     "photos": PHOTO_DATA,
-    "photos-device": [*PHOTO_DATA, "transforms.train.crop.on_device=true"],
+    "photos-tasks": [*PHOTO_DATA, "transforms.train.crop.on_device=false"],
 }
 
 

@@ -167,24 +167,25 @@ def spec(cfg, split: str, name: str, **changes):
     return dataclasses.replace(cfg.transforms.active(split)[name], **changes)
 
 
-def test_the_steps_that_run_every_epoch_go_to_the_device_with_gpu_workers():
-    """auto: on the device when the workers have GPUs and the step has a device form; true: there whatever the
-    workers are, with every step after it; false: in Ray Data's tasks, and then every step before it too."""
+def test_the_steps_that_run_every_epoch_go_to_the_device_where_auto_sends_them():
+    """auto: on the device where the job sends such steps there (GPU workers, or a cache the workers read
+    themselves) and the step has a device form; true: there anyway, with every step after it; false: in Ray Data's
+    tasks, and then every step before it too."""
     cifar = compose_cfg([])
     crop, flip = spec(cifar, "train", "crop"), spec(cifar, "train", "flip")
-    assert steps.device_split({"crop": crop, "flip": flip}, use_gpu=False) == ({"crop": crop, "flip": flip}, {})
-    assert steps.device_split({"crop": crop, "flip": flip}, use_gpu=True) == ({}, {"crop": crop, "flip": flip})
+    assert steps.device_split({"crop": crop, "flip": flip}, auto=False) == ({"crop": crop, "flip": flip}, {})
+    assert steps.device_split({"crop": crop, "flip": flip}, auto=True) == ({}, {"crop": crop, "flip": flip})
     kept = dataclasses.replace(flip, on_device=False)
-    assert steps.device_split({"crop": crop, "flip": kept}, use_gpu=True) == ({"crop": crop, "flip": kept}, {})
+    assert steps.device_split({"crop": crop, "flip": kept}, auto=True) == ({"crop": crop, "flip": kept}, {})
     forced = dataclasses.replace(crop, on_device=True)
-    assert steps.device_split({"crop": forced, "flip": flip}, use_gpu=False) == ({}, {"crop": forced, "flip": flip})
+    assert steps.device_split({"crop": forced, "flip": flip}, auto=False) == ({}, {"crop": forced, "flip": flip})
     crop_only = dataclasses.replace(crop, on_device=False)
-    assert steps.device_split({"crop": crop_only, "flip": flip}, use_gpu=True) == ({"crop": crop_only}, {"flip": flip})
+    assert steps.device_split({"crop": crop_only, "flip": flip}, auto=True) == ({"crop": crop_only}, {"flip": flip})
 
     photos = compose_cfg(["transforms=imagenet"])
     resized = spec(photos, "train", "crop")
     skipping = dataclasses.replace(resized, fn={**resized.fn, "on_error": "skip"})  # rows dropped: the CPU's work
-    assert steps.device_split({"crop": skipping}, use_gpu=True) == ({"crop": skipping}, {})
+    assert steps.device_split({"crop": skipping}, auto=True) == ({"crop": skipping}, {})
     once, every_epoch = steps.cached_steps(photos.transforms.active("train"))
     assert list(once) == ["decode"] and list(every_epoch) == ["crop"]
     decode = spec(photos, "valid", "decode", on_device=True)  # on the device: every epoch, not from the cache
@@ -247,14 +248,15 @@ def photo_run(tmp_path, name: str, overrides: list[str]) -> tuple[dict, dict]:
 
 
 def test_a_run_with_its_crops_on_the_device_trains_the_weights_the_cpu_steps_train(tmp_path, ray_runtime):
-    """Cached photos, the crop put on the device (here a CPU): the cache hands over the working size, the worker cuts
-    each row's window, and the run ends with the very weights of the run whose crops Ray Data's tasks cut. Streamed,
-    the worker decodes the JPEG bytes itself and trains to about the same loss (a whole decode against the CPU
-    steps' DCT-reduced one)."""
-    cpu, cpu_tags = photo_run(tmp_path / "cpu", "cpu", ["tracking.run_name=cpu"])
-    device, device_tags = photo_run(
-        tmp_path / "device", "device", ["tracking.run_name=device", "transforms.train.crop.on_device=true"]
+    """Cached photos on one node, the crop on the device (here the worker's CPU, where on_device auto puts it for a
+    cache the workers read themselves): the worker gathers the working size from the cache, cuts each row's
+    window, and the run ends with the very weights of the run whose crops Ray Data's tasks cut (on_device=false).
+    Streamed, the worker decodes the JPEG bytes itself and trains to about the same loss (a whole decode against the
+    CPU steps' DCT-reduced one)."""
+    cpu, cpu_tags = photo_run(
+        tmp_path / "cpu", "cpu", ["tracking.run_name=cpu", "transforms.train.crop.on_device=false"]
     )
+    device, device_tags = photo_run(tmp_path / "device", "device", ["tracking.run_name=device"])
     assert "pipeline.device_steps" not in cpu_tags and device_tags["pipeline.device_steps"] == "train: crop"
     assert device["weights_sha256"] == cpu["weights_sha256"] and device["train_loss"] == cpu["train_loss"]
     streamed, streamed_tags = photo_run(

@@ -93,8 +93,8 @@ class TransformSpec:
     streamed: bool = True
     resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
     label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
-    # where a step that runs every epoch runs: auto (on the training device when the workers have GPUs and the
-    # function has a device form: transforms/device.py), true (on the training device, whatever it is: then it runs
+    # where a step that runs every epoch runs: auto (on the training device when the workers have GPUs or read the
+    # cache themselves, one node, and the function has a device form: transforms/device.py), true (on the training device, whatever it is: then it runs
     # every epoch, not from the cache), false (in Ray Data's CPU tasks). Steps after a device step run there too
     on_device: Any = "auto"
 

@@ -176,10 +176,12 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             shuffle = seed if name == "train" else None
             groups = pieces.row_groups(split.files, split.filesystem, src.limit, layout.label)
             every_epoch = cached_steps(split.steps)[1] if plan.on else streamed_steps(split.steps)
-            in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu)
-            # a cache with nothing to run on its rows in Ray Data's tasks: the workers gather them from it (not where
-            # they may sit on other nodes; nor for ingest.standardize, whose pass over the split reads the rows)
-            indexed = plan.on and not in_tasks and one_node and not ingest.standardize
+            # a cache the workers can read themselves (not where its pieces may sit on other nodes; nor with
+            # ingest.standardize, whose pass over the split reads its rows): on_device auto sends the per-epoch
+            # steps to them, on any device, and with nothing left to run in Ray Data's tasks they gather the rows
+            readable = plan.on and one_node and not ingest.standardize
+            in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu or readable)
+            indexed = readable and not in_tasks
             if plan.on:
                 built = data.caches[name] = cached_split(split, groups, columns, shuffle, plan.row_bytes[name])
                 if indexed:

@@ -126,25 +126,26 @@ def cached_steps(steps: dict[str, TransformSpec]) -> tuple[dict[str, TransformSp
 
 
 def device_split(
-    steps: dict[str, TransformSpec], use_gpu: bool
+    steps: dict[str, TransformSpec], auto: bool
 ) -> tuple[dict[str, TransformSpec], dict[str, TransformSpec]]:
     """``steps`` (those that run every epoch) cut in two: the first run by Ray Data's CPU tasks, the rest by the
     training worker on its device (:mod:`transforms.device`), after the batches reach it. The device takes the first
     step put there (``on_device: true``) and every one after it (:func:`check_device` checks they can go), and before
-    it each ``auto`` step with a device form, while the workers have GPUs."""
+    it each ``auto`` step with a device form, where ``auto`` sends them there (GPU workers, or a cache the workers
+    read themselves: :func:`pipeline.data.preprocess.training_data`)."""
     names = list(steps)
     cut = next((i for i, spec in enumerate(steps.values()) if spec.on_device is True), len(names))
-    while cut > 0 and on_device(steps[names[cut - 1]], use_gpu):
+    while cut > 0 and on_device(steps[names[cut - 1]], auto):
         cut -= 1
     return {n: steps[n] for n in names[:cut]}, {n: steps[n] for n in names[cut:]}
 
 
-def on_device(spec: TransformSpec, use_gpu: bool) -> bool:
-    """Whether a step may run on the training device as its ``on_device`` says: true, or ``auto`` where the workers
-    have GPUs and the step's function has a device form that takes its parameters."""
+def on_device(spec: TransformSpec, auto: bool) -> bool:
+    """Whether a step may run on the training device as its ``on_device`` says: true, or ``auto`` where ``auto``
+    sends steps there and the step's function has a device form that takes its parameters."""
     if spec.on_device is True:
         return True
-    return spec.on_device == "auto" and use_gpu and can_run_on_device(spec)
+    return spec.on_device == "auto" and auto and can_run_on_device(spec)
 
 
 def can_run_on_device(spec: TransformSpec) -> bool:
