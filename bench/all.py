@@ -3,9 +3,9 @@ each other: they share the cores), and written where the docs read them:
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/all.py --quick
 
-- ``--quick`` (about 55 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
-  (``train.py``), the ingest-bound sets (``ingest.py``), the start-up (``startup.py``), and on a machine with a
-  GPU the GPU rows (``gpu.py``);
+- ``--quick`` (about 100 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
+  (``train.py``), the ingest-bound sets (``ingest.py``), the feed alone (``feed.py``), the start-up
+  (``startup.py``), and on a machine with a GPU the GPU rows (``gpu.py``);
 - ``--full``: the same, then every other benchmark (their figures stay in outputs/bench/ and docs/performance.md);
 - ``--render``: only writes docs/figures.md and the README's table again from docs/figures.json.
 
@@ -26,7 +26,7 @@ from report import COMPARISON_HEADER, OUT_DIR, comparison_cells, span, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES, PAGE, README = ROOT / "docs" / "figures.json", ROOT / "docs" / "figures.md", ROOT / "README.md"
-QUICK = ("train.py", "ingest.py", "startup.py")
+QUICK = ("train.py", "ingest.py", "feed.py", "startup.py")
 REST = (
     "step.py",
     "sweep_overhead.py",

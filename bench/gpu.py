@@ -5,7 +5,11 @@ worker per core, persistent, pinned memory, uint8 batches normalized on the devi
   autocast over ``--seeds`` each, against the loop holding CIFAR-10 decoded in memory (the pipeline caches it);
 - the GPU levers on top of bfloat16, pipeline only: ``train.compile=true`` and ``scaling.strategy=fsdp``;
 - ``+experiment=photos_resnet`` (ResNet-18 on real-size photos, crops to 224), against the same steps in a
-  DataLoader over the working size in memory (like for like) and torchvision's usual full decode every epoch.
+  DataLoader over the working size in memory (like for like) and torchvision's usual full decode every epoch: with
+  its defaults the crop runs on the GPU (``on_device: auto``) and the workers read the cache themselves; the same
+  with the crop in Ray Data's CPU tasks (``on_device=false``), pipeline only;
+- the photos streamed (``ingest.cache=false``): each epoch's JPEG bytes decoded on the GPU (nvJPEG) and cropped
+  there, against the same steps and torchvision's usual code, each decoding every epoch in a DataLoader.
 
 Each side is a command of its own, timed from its start to its last validation as well as per epoch.
 
@@ -28,7 +32,7 @@ from pipeline.api import compose
 from pipeline.data import source
 
 BF16 = ["train.amp=true", "train.amp_dtype=bfloat16"]
-# name: (overrides, the plain loop's baselines: --data, --transforms of bench/plain.py); every split is cached
+# name: (overrides, the plain loop's baselines: --data, --transforms of bench/plain.py); cached unless named streamed
 RUNS = {
     "cifar_vit float32": (["+experiment=cifar_vit"], [("decoded", "torchvision")]),
     "cifar_vit bfloat16": (["+experiment=cifar_vit", *BF16], [("decoded", "torchvision")]),
@@ -37,6 +41,14 @@ RUNS = {
     "photos_resnet bfloat16": (
         ["+experiment=photos_resnet", *BF16],
         [("decoded", "pipeline"), ("encoded", "torchvision")],
+    ),
+    "photos_resnet bfloat16 crops on the CPUs": (
+        ["+experiment=photos_resnet", *BF16, "transforms.train.crop.on_device=false"],
+        [],
+    ),
+    "photos_resnet bfloat16 streamed": (
+        ["+experiment=photos_resnet", *BF16, "ingest.cache=false"],
+        [("encoded", "pipeline"), ("encoded", "torchvision")],
     ),
 }
 
@@ -61,7 +73,8 @@ def main(epochs: int, seeds: int, only: list[str]) -> None:
                     theirs[data, transforms].append(plain_run(data, transforms, args, "cuda", log))
             figures[name] = {"pipeline": ours, **{"/".join(baseline): runs for baseline, runs in theirs.items()}}
             for baseline, runs in theirs.items():
-                rows.append(comparison(f"{card}: {name}", *describe(baseline, cached=True), ours, runs))
+                cached = "ingest.cache=false" not in overrides
+                rows.append(comparison(f"{card}: {name}", *describe(baseline, cached=cached), ours, runs))
             write("gpu", figures, rows)  # after each configuration: a run cut short keeps what it measured
     print(comparisons_table(rows))
 
