@@ -5,7 +5,7 @@ each other: they share the cores), and written where the docs read them:
 
 - ``--quick`` (about 100 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
   (``train.py``), the ingest-bound sets (``ingest.py``), the feed alone (``feed.py``), the start-up
-  (``startup.py``), and on a machine with a GPU the GPU rows (``gpu.py``);
+  (``startup.py``), and on a machine with a GPU the GPU rows (``gpu.py``; without one, the last GPU record stays);
 - ``--full``: the same, then every other benchmark (their figures stay in outputs/bench/ and docs/performance.md);
 - ``--render``: only writes docs/figures.md and the README's table again from docs/figures.json.
 
@@ -26,7 +26,7 @@ from report import COMPARISON_HEADER, OUT_DIR, comparison_cells, span, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES, PAGE, README = ROOT / "docs" / "figures.json", ROOT / "docs" / "figures.md", ROOT / "README.md"
-QUICK = ("train.py", "ingest.py", "feed.py", "startup.py")
+QUICK = ("feed.py", "train.py", "ingest.py", "startup.py")
 REST = (
     "step.py",
     "sweep_overhead.py",
@@ -51,10 +51,12 @@ def run(scripts: tuple[str, ...], gpu: bool) -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name(script))], check=True, cwd=ROOT)
 
 
-def collect(names: list[str]) -> dict:
-    """The benchmarks' reports (outputs/bench/<name>.json) as one record."""
-    command = "python bench/all.py --quick"
-    return {"command": command, "benches": {n: json.loads((OUT_DIR / f"{n}.json").read_text()) for n in names}}
+def collect(names: list[str], earlier: dict) -> dict:
+    """The benchmarks' reports (outputs/bench/<name>.json) as one record; a bench not run this time (the GPU's, on
+    a machine without one) keeps its earlier report, which names its own date, machine and commit."""
+    kept = {name: report for name, report in earlier.get("benches", {}).items() if name not in names}
+    fresh = {n: json.loads((OUT_DIR / f"{n}.json").read_text()) for n in names}
+    return {"command": "python bench/all.py --quick", "benches": {**fresh, **kept}}
 
 
 def taken(reports: list[dict]) -> str:
@@ -193,7 +195,9 @@ if __name__ == "__main__":
 
         gpu = torch.cuda.is_available()
         run(QUICK, gpu)
-        FIGURES.write_text(json.dumps(collect([s.removesuffix(".py") for s in QUICK] + ["gpu"] * gpu), indent=1))
+        earlier = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+        record = collect([s.removesuffix(".py") for s in QUICK] + ["gpu"] * gpu, earlier)
+        FIGURES.write_text(json.dumps(record, indent=1))
         if arguments.full:
             run(REST, gpu=False)
     render(json.loads(FIGURES.read_text()))
