@@ -25,20 +25,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ingest import PHOTO_DATA, SAME_STEPS_DECODED, side_by_side
+from ingest import ONE_WORKER, PHOTO_DATA, SAME_STEPS_DECODED, side_by_side
 from report import comparison, comparisons_table, data_dir, write
 
 EPOCHS = 4  # the first fills the cache; the other three are the warm epochs a long run lives on
-COMMON = [
-    "model=bias",  # bench/conf/model/bias.yaml: a bias per class, nothing else
-    f"train.epochs={EPOCHS}",
-    "scaling.num_workers=1",
-    "scaling.resources_per_worker.CPU=1",
-    "ingest.batch_size=128",
-    "ingest.normalize=null",
-    "tracking.system_metrics_s=null",
-    "tracking.log_model=false",
-]
+COMMON = ["model=bias", f"train.epochs={EPOCHS}", *ONE_WORKER]  # bench/conf/model/bias.yaml: a bias per class
 SETS = {
     "cifar": [],
     "photos": PHOTO_DATA,

@@ -48,9 +48,7 @@ from pipeline.data import source
 BENCH = Path(__file__).resolve().parent
 BENCH_DATA = (BENCH.parent / "outputs" / "bench" / "data").resolve()  # the photo sets, written once when missing
 EPOCHS = 3
-COMMON = [
-    "model=probe",  # bench/conf/model/probe.yaml
-    f"train.epochs={EPOCHS}",
+ONE_WORKER = [  # one training worker of one CPU, batches of 128 uint8 images, nothing logged but the figures
     "scaling.num_workers=1",
     "scaling.resources_per_worker.CPU=1",
     "ingest.batch_size=128",
@@ -58,6 +56,7 @@ COMMON = [
     "tracking.system_metrics_s=null",
     "tracking.log_model=false",
 ]
+COMMON = ["model=probe", f"train.epochs={EPOCHS}", *ONE_WORKER]  # bench/conf/model/probe.yaml
 PHOTO_DATA = ["source=photos", "transforms=imagenet", f"source.root={BENCH_DATA}"]
 PHOTOS = [*PHOTO_DATA, "model.size=224", "model.stride=8"]  # the probe over every 8th pixel of the 224 crops
 STREAMED_ROWS = 40_000  # the plain loop's epoch over them lasts more than 20 s on 2 cores: fixed costs do not decide
