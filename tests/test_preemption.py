@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -335,3 +336,33 @@ def test_an_epoch_resumed_from_a_checkpoint_within_it_reports_the_whole_epochs_f
     rest = run(resumed, enumerate(batches[3:], 4)).totals()
     for key in ("train_loss", "train_rows", "label_mix"):
         assert rest[key] == pytest.approx(whole[key]), key
+
+
+@pytest.mark.slow
+def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes_one_that_comes(ray_runtime):
+    """The notice's protocol on a real actor: a stop with no checkpoint answering ends after the grace, with None
+    (not an error, which would end a stopped run FAILED); a worker that hears the stop and saves is heard at once."""
+    import ray
+
+    from pipeline.training import preemption
+    from pipeline.training.events import StepCheckpointed
+
+    silent = preemption.Notice.remote()
+    started = time.monotonic()
+    assert preemption.checkpoint_before_stop(silent, grace_s=0.5) is None
+    assert 0.5 <= time.monotonic() - started < 5
+    assert ray.get(silent.stopped.remote(), timeout=5)  # the workers' wait ends with the stop
+
+    notice, saved = preemption.Notice.remote(), StepCheckpointed(epoch=1, step=7, global_step=39, checkpoint="c")
+
+    def answering() -> None:  # a worker, as a thread: it waits on the stop, then answers
+        ray.get(notice.stopped.remote())
+        notice.checkpointed.remote(saved)
+
+    thread = threading.Thread(target=answering, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    assert preemption.checkpoint_before_stop(notice, grace_s=30) == saved
+    assert time.monotonic() - started < 10  # heard at once, not at the end of the grace
+    for actor in (silent, notice):
+        ray.kill(actor)

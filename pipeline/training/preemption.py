@@ -25,15 +25,15 @@ from pipeline.training.parallel import world_size
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.1  # how often the driver asks the notice whether the workers' checkpoint is saved
-
 
 @ray.remote(num_cpus=0)
 class Notice:
-    """The driver's word that the command is stopping, and the workers' answer once their checkpoint is saved."""
+    """The driver's word that the command is stopping, and the workers' answer once their checkpoint is saved. An
+    async actor: each side waits on the other in one call, no polling."""
 
     def __init__(self) -> None:
-        self.stopping, self.saved = asyncio.Event(), None
+        self.stopping, self.saved = asyncio.Event(), asyncio.Event()
+        self.checkpoint: StepCheckpointed | None = None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -45,26 +45,29 @@ class Notice:
         return True
 
     def checkpointed(self, saved: StepCheckpointed) -> None:
-        self.saved = saved
+        self.checkpoint = saved
+        self.saved.set()
 
-    def answer(self) -> StepCheckpointed | None:
-        """The checkpoint the workers saved on the notice; None until they have."""
-        return self.saved
+    async def answer(self) -> StepCheckpointed:
+        """Returns the checkpoint the workers saved on the notice, once they have."""
+        await self.saved.wait()
+        return self.checkpoint
 
 
 def checkpoint_before_stop(notice: ray.actor.ActorHandle, grace_s: float) -> StepCheckpointed | None:
     """On the driver, the command stopping: ask the workers for a checkpoint at the step they are on, and wait for
-    it at most ``grace_s`` (a second signal ends the wait at once); the checkpoint, None when none came in time."""
+    it at most ``grace_s`` (a second signal ends the wait at once); the checkpoint, None when none came in time.
+    ``ray.wait``, not ``ray.get(timeout=)``: on a busy machine the answer can come after the grace, and a
+    ``GetTimeoutError`` here would end the run FAILED, or not at all before ``ray job stop``'s SIGKILL."""
     notice.stop.remote()
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        saved = ray.get(notice.answer.remote(), timeout=max(deadline - time.monotonic(), 0.01))
-        if saved is not None:
-            log.warning("stopping: checkpointed at epoch %d, step %d", saved.epoch + 1, saved.step)
-            return saved
-        time.sleep(POLL_S)
-    log.warning("stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s)
-    return None
+    answer = notice.answer.remote()
+    ready, _ = ray.wait([answer], timeout=grace_s)
+    if not ready:
+        log.warning("stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s)
+        return None
+    saved = ray.get(answer)
+    log.warning("stopping: checkpointed at epoch %d, step %d", saved.epoch + 1, saved.step)
+    return saved
 
 
 class Due:
