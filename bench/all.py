@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -67,12 +68,18 @@ def taken(reports: list[dict]) -> str:
         machine, versions = report["machine"], report["versions"]
         changed = report["uncommitted_changes"]
         dirty = f" with uncommitted changes to {', '.join(changed)}" if changed else ""
-        by = f"`{report['command']}` on " if "command" in report else ""  # a bench run apart from bench/all.py
+        by = "" if by_all(report) else f"`{report['command']}` on "
         setups.add(
             f"{by}{machine['cpus']} cores, {machine['memory_gib']} GiB, {machine['gpu'] or 'no GPU'}; commit "
             f"{report['commit']}{dirty}; ray {versions['ray']}, torch {versions['torch']}"
         )
     return f"{first if first == last else f'{first} to {last}'}; {'; '.join(sorted(setups))}"
+
+
+def by_all(report: dict) -> bool:
+    """Whether ``report`` was taken by this script: its bench run as it runs them, with no arguments."""
+    command = shlex.split(report.get("command", "python bench/all.py"))
+    return len(command) == 2 and Path(command[1]).parent.name == "bench"
 
 
 def startup_line(report: dict) -> str:
