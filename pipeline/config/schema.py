@@ -94,8 +94,9 @@ class TransformSpec:
     resources: dict[str, float] = field(default_factory=dict)  # custom resources per task, e.g. {cpu_node: 1}:
     label_selector: dict[str, str] = field(default_factory=dict)  # ...or node labels: where the step may run
     # where a step that runs every epoch runs: auto (on the training device when the workers have GPUs or read the
-    # cache themselves, one node, and the function has a device form: transforms/device.py), true (on the training device, whatever it is: then it runs
-    # every epoch, not from the cache), false (in Ray Data's CPU tasks). Steps after a device step run there too
+    # cache themselves, one node, and the function has a device form: transforms/device.py), true (on the training
+    # device, whatever it is: then it runs every epoch, not from the cache), false (in Ray Data's CPU tasks). Steps
+    # after a device step run there too
     on_device: Any = "auto"
 
 
@@ -152,10 +153,10 @@ class TrainConfig:
     # training; a resumed run continues from the step it reached, each of the epoch's other rows once; null: off
     checkpoint_every: Optional[str] = None
     # on SIGTERM or Ctrl-C (ray job stop, a spot notice), the workers checkpoint at the step they are on before
-    # the command ends; the driver waits at most stop_grace_s for it (ray job stop allows 3 s:
-    # RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")
+    # the command ends; the driver records the stop, then waits at most stop_grace_s for it (ray job stop allows
+    # 3 s: RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")
     checkpoint_on_stop: bool = True
-    stop_grace_s: float = 1.5
+    stop_grace_s: float = 2.0
 
     def step_checkpoints(self) -> tuple[int | None, float | None]:
         """``checkpoint_every`` as (optimizer steps, seconds), one of them set, or (None, None) when off."""
