@@ -237,5 +237,9 @@ class JobEvents:
     def step_checkpointed(self, event: StepCheckpointed) -> None:
         self.tracker.epochs.log_step_checkpoint(event.global_step)
 
+    def stopping(self, error: BaseException) -> None:
+        """The stop recorded before anything else: ray job stop's SIGKILL may come while the checkpoint is awaited."""
+        self.tracker.record.stop_first("KILLED", error)
+
     def close(self) -> None:
         self.progress.close()

@@ -32,6 +32,7 @@ class RunRecord:
         self.delivery, self.server_wait_s = delivery, server_wait_s
         self.spool: Spool | None = None
         self.storage: RunStorage | None = None  # where the spool is copied when the server does not take it
+        self.stopped = False  # the stop is in the store already (:meth:`stop_first`)
 
     def spool_to(self, directory: str) -> None:
         """From now on every write is kept in ``directory``'s spool and sent from there."""
@@ -55,10 +56,11 @@ class RunRecord:
     def stop_first(self, status: str, error: BaseException | None) -> None:
         """A run that did not finish: its end state straight to the store, ahead of the spool's backlog (which
         follows, and ends it again the same way). While the server is away, the spool's end is the only try."""
-        if self.server_away:
+        if self.server_away or self.stopped:
             return
         try:
             end_run(self.client, self.run_id, status, None if error is None else error_text(error))
+            self.stopped = True
         except Exception as refused:  # the spool's own end follows and says what the store does
             log.warning("run %r (%s) could not be ended as %s at once: %s", self.name, self.run_id, status, refused)
 

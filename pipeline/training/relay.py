@@ -49,6 +49,9 @@ class EventHandler(Protocol):
 
     def step_checkpointed(self, event: StepCheckpointed) -> None: ...
 
+    def stopping(self, error: BaseException) -> None:
+        """The command is stopping (Ctrl-C, SIGTERM), before the workers' checkpoint is waited on."""
+
     def close(self) -> None: ...
 
 

@@ -143,15 +143,22 @@ def fit(
         ray.kill(notice)
 
 
-def stop_with_notice(notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None) -> None:
-    """The workers' checkpoint at the step they are on (:func:`pipeline.training.preemption.checkpoint_before_stop`),
-    handed to ``handler`` at once: the command ends before Ray Train's controller would relay it."""
+def stop_with_notice(
+    notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None, error: BaseException
+) -> None:
+    """The stop (``error``) handed to ``handler`` first, then the workers' checkpoint at the step they are on
+    (:func:`pipeline.training.preemption.checkpoint_before_stop`), handed to it at once: the command ends before Ray
+    Train's controller would relay it."""
+    if handler is not None:
+        handler.stopping(error)
     saved = preemption.checkpoint_before_stop(notice, grace_s)
     if saved is not None and handler is not None:
         handler.step_checkpointed(saved)
 
 
-def fit_off_main_thread(trainer: TorchTrainer, on_stop: Callable[[], None] | None = None) -> ray.train.Result:
+def fit_off_main_thread(
+    trainer: TorchTrainer, on_stop: Callable[[BaseException], None] | None = None
+) -> ray.train.Result:
     """``trainer.fit()`` in a helper thread, waited on from this one; on Ctrl-C or SIGTERM, ``on_stop`` runs
     before the stop goes on (the workers' checkpoint at the step they are on).
 
@@ -181,9 +188,9 @@ def fit_off_main_thread(trainer: TorchTrainer, on_stop: Callable[[], None] | Non
         # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
         # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
         atexit.register(ray.shutdown)
-        stopping = isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit))
-        if stopping and on_stop is not None:
-            on_stop()
+        error = sys.exc_info()[1]
+        if isinstance(error, (KeyboardInterrupt, SystemExit)) and on_stop is not None:
+            on_stop(error)
         raise
     if "error" in outcome:
         raise outcome["error"]
