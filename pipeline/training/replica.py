@@ -168,4 +168,6 @@ class Replica:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"].cpu())
+        if state.get("input_example") is not None:  # a run resumed at its epoch's last step trains no batch in it
+            self.example = state["input_example"].cpu()
         return state
