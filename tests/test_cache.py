@@ -12,7 +12,7 @@ from test_own_data import write_sorted_and_shuffled
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import ScalingConfig
-from pipeline.data import pieces, preprocess, source, steps
+from pipeline.data import cache_plan, pieces, preprocess, source, steps
 from pipeline.data.pieces import RowGroup
 from pipeline.jobs import preflight
 from pipeline.runtime.cluster import local_cpus
@@ -49,20 +49,20 @@ def test_the_cache_is_sized_from_the_first_rows_and_refused_when_it_does_not_fit
     and the settings to change; false never caches."""
     args = [f"source.root={data_root}", "source.download=null", "train.epochs=2"]
     splits = preflight.sources(compose_cfg(args))
-    plan = preprocess.cache_plan(compose_cfg(args), splits)
+    plan = cache_plan.cache_plan(compose_cfg(args), splits)
     assert plan.on
     assert 3 * 32 * 32 + 8 < plan.row_bytes["train"] < 3 * 32 * 32 + 200  # pixels, label and the file's path
     assert plan.estimate_bytes == pytest.approx(512 * plan.row_bytes["train"] + 256 * plan.row_bytes["valid"], abs=1)
 
-    refused = preprocess.cache_plan(compose_cfg([*args, "ingest.cache_share=1e-9"]), splits)
+    refused = cache_plan.cache_plan(compose_cfg([*args, "ingest.cache_share=1e-9"]), splits)
     assert not refused.on and "not cached, every step runs every epoch (2 MiB estimated, 0 MiB" in refused.summary()
     with pytest.raises(PipelineError, match=r"ingest.cache=true: .*about 2 MiB .*ray.object_store_memory=BYTES"):
-        preprocess.cache_plan(compose_cfg([*args, "ingest.cache=true", "ingest.cache_share=1e-9"]), splits)
-    off = preprocess.cache_plan(compose_cfg([*args, "ingest.cache=false"]), splits)
+        cache_plan.cache_plan(compose_cfg([*args, "ingest.cache=true", "ingest.cache_share=1e-9"]), splits)
+    off = cache_plan.cache_plan(compose_cfg([*args, "ingest.cache=false"]), splits)
     assert not off.on and off.summary() == "not cached (ingest.cache=false): every step runs every epoch"
-    once = preprocess.cache_plan(compose_cfg([*args, "train.epochs=1"]), splits)
+    once = cache_plan.cache_plan(compose_cfg([*args, "train.epochs=1"]), splits)
     assert not once.on and once.summary() == "not cached (ingest.cache=auto): one epoch reads each row once"
-    assert preprocess.cache_plan(compose_cfg([*args, "train.epochs=1", "ingest.cache=true"]), splits).on
+    assert cache_plan.cache_plan(compose_cfg([*args, "train.epochs=1", "ingest.cache=true"]), splits).on
 
 
 def rows_of(ds) -> list[tuple[bytes, int]]:
