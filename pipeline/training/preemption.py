@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import ray
 import torch
@@ -54,13 +55,17 @@ class Notice:
         return self.checkpoint
 
 
-def checkpoint_before_stop(notice: ray.actor.ActorHandle, grace_s: float) -> StepCheckpointed | None:
-    """On the driver, the command stopping: ask the workers for a checkpoint at the step they are on, and wait for
-    it at most ``grace_s`` (a second signal ends the wait at once); the checkpoint, None when none came in time.
-    ``ray.wait``, not ``ray.get(timeout=)``: on a busy machine the answer can come after the grace, and a
-    ``GetTimeoutError`` here would end the run FAILED, or not at all before ``ray job stop``'s SIGKILL."""
+def checkpoint_before_stop(
+    notice: ray.actor.ActorHandle, grace_s: float, meanwhile: Callable[[], None] = lambda: None
+) -> StepCheckpointed | None:
+    """On the driver, the command stopping: ask the workers for a checkpoint at the step they are on, run
+    ``meanwhile`` (the stop recorded while they save), and wait for it at most ``grace_s`` (a second signal ends the
+    wait at once); the checkpoint, None when none came in time. ``ray.wait``, not ``ray.get(timeout=)``: on a busy
+    machine the answer can come after the grace, and a ``GetTimeoutError`` here would end the run FAILED, or not at
+    all before ``ray job stop``'s SIGKILL."""
     notice.stop.remote()
     answer = notice.answer.remote()
+    meanwhile()
     ready, _ = ray.wait([answer], timeout=grace_s)
     if not ready:
         log.warning("stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s)

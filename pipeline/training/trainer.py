@@ -146,12 +146,12 @@ def fit(
 def stop_with_notice(
     notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None, error: BaseException
 ) -> None:
-    """The stop (``error``) handed to ``handler`` first, then the workers' checkpoint at the step they are on
-    (:func:`pipeline.training.preemption.checkpoint_before_stop`), handed to it at once: the command ends before Ray
-    Train's controller would relay it."""
-    if handler is not None:
-        handler.stopping(error)
-    saved = preemption.checkpoint_before_stop(notice, grace_s)
+    """The workers asked for a checkpoint at the step they are on
+    (:func:`pipeline.training.preemption.checkpoint_before_stop`), the stop (``error``) handed to ``handler`` while
+    they save it, then the checkpoint, handed to it at once: the command ends before Ray Train's controller would
+    relay it."""
+    recorded = partial(handler.stopping, error) if handler is not None else lambda: None
+    saved = preemption.checkpoint_before_stop(notice, grace_s, recorded)
     if saved is not None and handler is not None:
         handler.step_checkpointed(saved)
 
