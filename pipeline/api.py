@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
+from pipeline.common.errors import PipelineError
 from pipeline.config import CONF_DIR, PipelineConfig, Stage, check_overrides, load, register
 
 
@@ -57,12 +58,29 @@ def typed_config(raw: DictConfig) -> PipelineConfig:
 
 def run_job(raw: DictConfig, job):
     """The job ``cfg.stage`` names (train, or predict / evaluate), from the composed config: made typed once,
-    checked where a submitted Ray job would lose its outputs, then run."""
-    from pipeline.jobs import predict
-    from pipeline.jobs import train as training_job
-    from pipeline.runtime import checks
+    checked where a submitted Ray job would lose its outputs, then run. A training job's config and sources are
+    checked before Ray starts; Ray then starts while the job's modules import (torch, Ray Train, MLflow: seconds)."""
+    from pipeline.jobs import preflight
+    from pipeline.runtime import checks, cluster
 
     config = typed_config(raw)  # each stage gets the typed config: cfg.train.epochs
     checks.check_outlives_job(config)  # a submitted Ray job's working directory is deleted with it
-    stage = predict.run if config.stage in (Stage.predict, Stage.evaluate) else training_job.run
-    return stage(config, job)
+    if config.stage in (Stage.predict, Stage.evaluate):
+        from pipeline.jobs import predict
+
+        return predict.run(config, job)
+    try:
+        inputs = preflight.before_ray(config)
+    except PipelineError as err:  # as the job's later checks' are: a sweep's job is still recorded
+        from pipeline.jobs.train import failed_before_run
+
+        failed_before_run(config, job, err)
+        raise
+    job.startup.mark("sources")
+    cluster.start_early(cluster.runtime(config.ray, config.scaling))
+    try:
+        from pipeline.jobs import train as training_job
+    except BaseException:
+        cluster.abandon_start()
+        raise
+    return training_job.run(config, job, inputs)

@@ -22,6 +22,7 @@ from mlflow.entities import Run
 from omegaconf import OmegaConf
 
 from pipeline.common.errors import PipelineError
+from pipeline.common.startup import PHASES
 
 # The README's quick start (cifar_vit_cpu) on the 512 generated training rows: 16 steps a worker an epoch
 QUICK_START = ["+experiment=cifar_vit_cpu", "train.epochs=4", "ingest.batch_size=32"]
@@ -125,6 +126,29 @@ def test_every_epoch_is_logged_once_with_the_figures_the_workers_reported(cli_ru
     # between epochs: rank 0's batch loss every 2 steps (16 steps an epoch), at the global step
     steps = client.get_metric_history(run.info.run_id, "train_loss_step")
     assert sorted(m.step for m in steps) == list(range(2, 65, 2)) and all(0 < m.value < 10 for m in steps)
+
+
+@pytest.mark.slow
+def test_each_start_up_phase_is_logged_once_in_the_order_the_run_reaches_it_and_shown_on_the_console(cli_run):
+    """Where the first minute went: each phase's end, from the command's start, the driver's and rank 0's, as
+    ``startup/<phase>_s`` (each once, at step 0), never decreasing in the order of PHASES, the last one the
+    run's startup_s; and the same figures in one console line once the first step is taken."""
+    metrics = cli_run.run.data.metrics
+    logged = {
+        key.removeprefix("startup/").removesuffix("_s"): value
+        for key, value in metrics.items()
+        if key.startswith("startup/")
+    }
+    assert set(PHASES) <= set(logged)  # every phase reached
+    seconds = [logged[phase] for phase in PHASES]
+    assert (
+        seconds[0] > 0 and seconds == sorted(seconds) and seconds[-1] == pytest.approx(metrics["startup_s"], abs=1e-3)
+    )
+    for phase in PHASES:
+        history = cli_run.client.get_metric_history(cli_run.run.info.run_id, f"startup/{phase}_s")
+        assert [m.step for m in history] == [0], phase
+    (line,) = [line for line in cli_run.output.splitlines() if "start-up: sources" in line]
+    assert f"first step {metrics['startup_s']:.1f} s" in line and f"ray up {logged['ray_up']:.1f} s" in line
 
 
 @pytest.mark.slow

@@ -395,3 +395,36 @@ def test_ray_warns_of_worker_processes_at_four_times_the_cores_unless_sized_to_t
     assert f"{4 * os.cpu_count() + 8} actors" in done.stdout, done.stderr[-2000:]
     warned = "worker processes have been started" in done.stdout + done.stderr
     assert warned == (concurrency == "Ray's")
+
+
+STARTED_IN_A_THREAD = """
+import os, sys, threading, time
+import psutil
+import ray
+from pipeline.common import workarounds
+from pipeline.runtime.cluster import init_ray
+
+if sys.argv[1] == "ended":  # a plain thread: it ends once Ray is up
+    thread = threading.Thread(target=init_ray, args=(None, 2, None, None))
+    thread.start()
+    thread.join()
+else:
+    workarounds.in_a_lasting_thread(lambda: init_ray(None, 2, None, None)).result()
+gcs = [p for p in psutil.Process().children(recursive=True) if "gcs_server" in p.name()]
+time.sleep(2)
+print("gcs alive:", all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in gcs), len(gcs), flush=True)
+os._exit(0)  # no ray.shutdown: an ended thread's GCS cannot answer it
+"""
+
+
+@pytest.mark.slow  # starts Ray in a subprocess, twice
+@pytest.mark.parametrize("thread", ["ended", "lasting"])
+def test_a_local_runtime_started_in_a_thread_dies_when_the_thread_ends_unless_it_lasts(thread):
+    """Workaround: ``workarounds.in_a_lasting_thread``. Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which
+    Linux ties to the forking thread: a helper thread that started Ray and ended takes them with it (SIGKILL);
+    one that stays keeps them."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", STARTED_IN_A_THREAD, thread], env=env, capture_output=True, text=True)
+    assert f"gcs alive: {thread == 'lasting'} 1" in done.stdout, done.stdout + done.stderr[-2000:]

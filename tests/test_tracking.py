@@ -120,7 +120,7 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     ]
     assert client.get_run(tracker.run_id).info.status == "KILLED"
 
-    resumed = Tracker(store, tracker.run_id, storage.uri, 0.0, cfg)
+    resumed = Tracker(store, tracker.run_id, storage.uri, cfg)
     resumed.set_storage(storage)
     resumed.epochs.reconcile(storage)  # nothing new: every saved epoch is logged
     resumed.epochs.log_restore(1, 0)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again

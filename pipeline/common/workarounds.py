@@ -17,7 +17,9 @@ import os
 import re
 import signal
 import socket
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import psutil
@@ -87,6 +89,29 @@ def local_runtime_settings(num_cpus: int) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus))
+
+
+def in_a_lasting_thread(start: Callable[[], None]) -> Future:
+    """``start`` (a local ``ray.init``, or joining a cluster) run in a daemon thread that then stays, parked, as
+    long as the process; its outcome as a future.
+
+    Ray 2.60: a local ``ray.init`` starts the GCS, the raylet and their helpers with ``PR_SET_PDEATHSIG``, which
+    Linux ties to the thread that forked them, not the process: once a helper thread that started Ray ends, they
+    are SIGKILLed, and the driver fails 60 s later ("Failed to connect to GCS"). Canary:
+    ``tests/test_ray_canaries.py``."""
+    outcome: Future = Future()
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as err:  # raised where the future is waited on
+            outcome.set_exception(err)
+            return
+        outcome.set_result(None)
+        threading.Event().wait()  # Ray's processes live while this thread does
+
+    threading.Thread(target=run, name="ray-start", daemon=True).start()
+    return outcome
 
 
 STREAMED_BLOCK_BYTES = 16 * 2**20  # a generator task's yields of about this size leave it one by one

@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
+from pipeline.common.startup import Startup
+
 
 @dataclass
 class Job:
@@ -21,6 +23,7 @@ class Job:
     run_name: str | None = None
     # where startup_s counts from: pipeline.STARTED_AT for a command's first job, its own start for a sweep's later ones
     started_at: float = field(default_factory=time.time)
+    startup: Startup = field(default_factory=Startup)  # when each phase of its start-up ended
 
     @classmethod
     def in_sweep(cls, sweep_dir: str, number: int, experiment: str, overrides: list[str]) -> Job:

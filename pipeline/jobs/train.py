@@ -50,9 +50,10 @@ class TrainingJob:
     """One training job: ``TrainingJob(cfg, job).run()``. Each step below is a method a Tune trial may override;
     the parts each step builds are attributes, set in the order ``run`` reads."""
 
-    def __init__(self, cfg: PipelineConfig, job: Job):
+    def __init__(self, cfg: PipelineConfig, job: Job, inputs: preflight.Inputs | None = None):
         self.cfg, self.job = cfg, job
         job.run_dir = os.path.abspath(job.run_dir)
+        self.inputs = inputs  # checked before Ray started (pipeline.api.run_job), or None: check checks them
         self.splits: dict[str, source.Split] = {}
         self.initial: finetune.Initial | None = None  # the weights training starts from (finetune.weights)
         self.tracker: Tracker | None = None  # the job's MLflow run (None in a Tune trial: its driver records it)
@@ -63,8 +64,7 @@ class TrainingJob:
             self.check()
             data = self.datasets()
         except PipelineError as err:
-            if self.job.sweep_dir:  # a sweep keeps a record of every job it tried
-                Tracker.open(self.cfg, self.job).end("FAILED", err)
+            failed_before_run(self.cfg, self.job, err)
             raise
         with data, self.record(data):
             storage = self.storage()
@@ -74,12 +74,13 @@ class TrainingJob:
 
     def check(self) -> None:
         """Every check before the run exists, Ray started between them (:mod:`pipeline.jobs.preflight`)."""
-        self.splits, self.initial = preflight.check(self.cfg)
+        self.splits, self.initial = preflight.check(self.cfg, self.job.startup, self.inputs)
 
     def datasets(self) -> preprocess.TrainingData:
         """Each split's dataset; with ``ingest.standardize``, a pass over the training split, where a value it
         cannot use fails."""
         data = preprocess.training_data(self.cfg, self.splits)
+        self.job.startup.mark("data")
         if data.mixing is not None and (warning := data.mixing.warning()):
             log.warning("%s", warning)  # before training: a split its windows cannot mix
         return data
@@ -100,6 +101,7 @@ class TrainingJob:
                 log.info("finetune: %s", self.initial.summary())
                 tracker.log_start_weights(self.initial)
             tracker.epochs.expect_rows(data.rows, self.cfg.ingest.drop_last)
+            self.job.startup.mark("run")
             yield
 
     def storage(self) -> RunStorage:
@@ -117,8 +119,10 @@ class TrainingJob:
         cfg, tracker = self.cfg, self.tracker
         reporter = report_cache(data, tracker)
         progress = console.Progress(cfg.train.epochs, trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning)
+        events = JobEvents(tracker, self.job, progress)
         with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
-            result = trainer.fit(cfg, data, storage, JobEvents(tracker, self.job.run_dir, progress), self.initial)
+            self.job.startup.mark("fit")
+            result = trainer.fit(cfg, data, storage, events, self.initial)
         reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
         reads = data.reads()
         if reads is not None:
@@ -154,9 +158,16 @@ class TrainingJob:
         return JobResult(tracker.run_id, {k: last[k] for k in tracker.epochs.metrics}, tracker.model_uri())
 
 
-def run(cfg: PipelineConfig, job: Job) -> JobResult:
-    """Run one training job from its typed config (:class:`TrainingJob`)."""
-    return TrainingJob(cfg, job).run()
+def failed_before_run(cfg: PipelineConfig, job: Job, err: PipelineError) -> None:
+    """A check failed before the job's run existed: a sweep's job is recorded all the same, a FAILED child run
+    with the error (a sweep keeps a record of every job it tried); a single job leaves nothing in MLflow."""
+    if job.sweep_dir:
+        Tracker.open(cfg, job).end("FAILED", err)
+
+
+def run(cfg: PipelineConfig, job: Job, inputs: preflight.Inputs | None = None) -> JobResult:
+    """Run one training job from its typed config (:class:`TrainingJob`), its ``inputs`` checked already or not."""
+    return TrainingJob(cfg, job, inputs).run()
 
 
 def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.Thread:
@@ -209,11 +220,16 @@ def ray_lost(tracker: Tracker, what: str) -> None:
 class JobEvents:
     """What a training job's driver does with each worker event (an :class:`pipeline.training.relay.EventHandler`)."""
 
-    def __init__(self, tracker: Tracker, run_dir: str, progress: console.Progress):
-        self.tracker, self.run_dir, self.progress = tracker, run_dir, progress
+    def __init__(self, tracker: Tracker, job: Job, progress: console.Progress):
+        self.tracker, self.run_dir, self.progress, self.job = tracker, job.run_dir, progress, job
 
     def step_taken(self, event: StepTaken) -> None:
-        self.tracker.epochs.log_startup(event.at, event.epoch)
+        startup = self.job.startup
+        if event.phases is not None and "first_step" not in startup.at:  # the job's first worker group's
+            for phase, at in {**event.phases, "first_step": event.at}.items():
+                startup.mark(phase, at)
+            self.tracker.epochs.log_startup(startup.seconds(self.job.started_at), event.epoch)
+            log.info("%s", startup.line(self.job.started_at))
         if event.log:
             self.tracker.epochs.log_step_loss(event.loss, event.global_step)
         self.progress.update(event.epoch, event.step, event.loss)

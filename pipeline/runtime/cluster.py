@@ -7,11 +7,14 @@ environment, so nodes need only the dependencies. What is checked once Ray is up
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import ray
 
@@ -72,9 +75,40 @@ def runtime(ray_cfg: RayConfig, scaling: ScalingConfig) -> Runtime:
     )
 
 
+_early: Future | None = None  # a start begun by start_early, which connect or abandon_start joins
+
+
+def start_early(wanted: Runtime) -> None:
+    """Begin starting or joining the runtime in a helper thread, so that Ray's processes start while this one
+    imports the job's modules and checks its inputs (3-4 s of a 2-core machine's start-up); :func:`connect` joins
+    it, :func:`abandon_start` ends it when a check fails first."""
+    global _early
+    if ray.is_initialized() or _early is not None:
+        return
+    _early = workarounds.in_a_lasting_thread(
+        partial(init_ray, wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
+    )
+
+
 def connect(wanted: Runtime) -> None:
-    """Start or join the runtime."""
-    start_ray(wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
+    """Start or join the runtime, or wait for the start :func:`start_early` began (its errors raised here)."""
+    global _early
+    early, _early = _early, None
+    if early is None:
+        start_ray(wanted.address, wanted.num_cpus, wanted.env, wanted.object_store_memory)
+        return
+    with workarounds.own_sigterm_handler():  # put back at the C level, where Ray's start may have replaced it
+        early.result()
+
+
+def abandon_start() -> None:
+    """A check failed while :func:`start_early`'s start ran: wait for it, then shut Ray down, leaving no process."""
+    global _early
+    early, _early = _early, None
+    if early is not None:
+        with workarounds.own_sigterm_handler(), contextlib.suppress(Exception):  # the failed check's error is raised
+            early.result()
+        ray.shutdown()
 
 
 def local_cpus(scaling: ScalingConfig) -> int:
@@ -96,21 +130,26 @@ def start_ray(
     per process: a sweep's jobs share it. Worker and Ray Data logs stay in Ray's session log files."""
     if ray.is_initialized():
         return
+    with workarounds.own_sigterm_handler():
+        init_ray(address, num_cpus, env, object_store_memory)
+
+
+def init_ray(address: str | None, num_cpus: int | None, env: dict | None, object_store_memory: int | None) -> None:
+    """:func:`start_ray`'s ``ray.init``, on any thread (the caller puts the SIGTERM handler back, on the main one)."""
     if address is None:
         workarounds.local_runtime_settings(num_cpus or os.cpu_count() or 1)
     else:
         workarounds.check_reachable(address, unreachable)
     try:
-        with workarounds.own_sigterm_handler():
-            ray.init(
-                address=address or "local",
-                num_cpus=num_cpus if address is None else None,
-                object_store_memory=object_store_memory if address is None else None,
-                runtime_env=env or None,
-                log_to_driver=False,
-                logging_level=logging.ERROR,
-                include_dashboard=False if address is None else None,
-            )
+        ray.init(
+            address=address or "local",
+            num_cpus=num_cpus if address is None else None,
+            object_store_memory=object_store_memory if address is None else None,
+            runtime_env=env or None,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            include_dashboard=False if address is None else None,
+        )
     except (ConnectionError, TimeoutError) as err:  # e.g. address=auto with no cluster on this machine
         if workarounds.refused_token(err):
             raise token_refused(address) from None  # Ray's chain repeats a long traceback as text

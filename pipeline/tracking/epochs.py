@@ -45,9 +45,8 @@ def expected_rows(rows: dict[str, int], num_workers: int, drop_last: bool) -> di
 class EpochLog:
     """A training run's epochs as MLflow holds them: which are logged, which run again, the latest."""
 
-    def __init__(self, record: RunRecord, metrics: list[str], settings: TrackingConfig, started_at: float):
+    def __init__(self, record: RunRecord, metrics: list[str], settings: TrackingConfig):
         self.record, self.metrics, self.settings = record, metrics, settings
-        self.started_at = started_at  # startup_s counts from here
         self.logged = logged_epochs(record.client, record.run_id)  # a resumed run holds its first epochs already
         self.restores = len(record.client.get_metric_history(record.run_id, RESTORES_METRIC))
         self.rerun: set[int] = set()  # logged epochs that training runs again, restored from an older checkpoint
@@ -63,10 +62,12 @@ class EpochLog:
         """The rows each split holds: an epoch that delivers fewer logs ``skipped_rows``."""
         self.rows, self.drop_last = rows, drop_last
 
-    def log_startup(self, first_step_at: float, epoch: int) -> None:
-        """``startup_s``: from the command (a sweep's later jobs: their own start) to the first training step."""
+    def log_startup(self, seconds: dict[str, float], epoch: int) -> None:
+        """Once: ``startup_s``, from the command (a sweep's later jobs: their own start) to the first training step,
+        and ``startup/<phase>_s``, when each phase ended (:mod:`pipeline.common.startup`)."""
         if not self._startup_logged:
-            self.record.write(metrics_record({"startup_s": first_step_at - self.started_at}, epoch))
+            phases = {f"startup/{phase}_s": round(s, 3) for phase, s in seconds.items()}
+            self.record.write(metrics_record({"startup_s": seconds["first_step"], **phases}, epoch))
             self._startup_logged = True
 
     def log_epoch(self, metrics: dict, checkpoint: str | None = None) -> None:

@@ -7,8 +7,6 @@ block. The store is :mod:`pipeline.tracking.mlflow_store`'s; LoggedModels :mod:`
 
 from __future__ import annotations
 
-import time
-
 from pipeline.common.errors import redact
 from pipeline.common.metrics import epoch_metrics, first_task_metric
 from pipeline.common.workarounds import system_metrics_monitor
@@ -35,13 +33,13 @@ class Tracker:
     """A training job's MLflow run, from its start (or reopening) to its end state, set when the ``with``
     block ends: FINISHED, KILLED on Ctrl-C or SIGTERM (recorded first), FAILED otherwise."""
 
-    def __init__(self, store: Store, run_id: str, resume_from: str | None, started_at: float, cfg: PipelineConfig):
+    def __init__(self, store: Store, run_id: str, resume_from: str | None, cfg: PipelineConfig):
         task = cfg.task
         self.cfg, self.run_id, self.uri = cfg, run_id, store.uri
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         delivery = Delivery(store.client, store.experiment_id, run_id, cfg, first_task_metric(task.metrics))
         self.record = RunRecord(store, run_id, delivery, cfg.tracking.server_wait_s)
-        self.epochs = EpochLog(self.record, list(epoch_metrics(task.type, task.metrics)), cfg.tracking, started_at)
+        self.epochs = EpochLog(self.record, list(epoch_metrics(task.type, task.metrics)), cfg.tracking)
         self.name = self.record.name
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 
@@ -54,7 +52,7 @@ class Tracker:
         store = Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
         if cfg.train.resume:
             run_id, resume_from = reopen_run(store, cfg.tracking.run_name)
-            return cls(store, run_id, resume_from, job.started_at, cfg)
+            return cls(store, run_id, resume_from, cfg)
         parent = store.sweep_parent(job.sweep_dir) if job.sweep_dir else None
         return cls.start(store, cfg, job, cfg.tracking.run_name or job.run_name, parent)
 
@@ -66,13 +64,13 @@ class Tracker:
         with the config logged."""
         run_id = start_run(store, run_name, parent, job.overrides, tags)
         log_config(store.client, run_id, cfg)
-        return cls(store, run_id, None, job.started_at, cfg)
+        return cls(store, run_id, None, cfg)
 
     @classmethod
     def reopen_tagged(cls, store: Store, cfg: PipelineConfig, tag: str, value: str) -> Tracker | None:
         """The run tagged ``tag=value`` (a Tune trial a resumed sweep restarts), RUNNING again; None if none."""
         found = store.runs_where(tag, value)
-        return cls(store, reopen(store.client, found[0]), None, time.time(), cfg) if found else None
+        return cls(store, reopen(store.client, found[0]), None, cfg) if found else None
 
     @property
     def storage(self) -> RunStorage | None:

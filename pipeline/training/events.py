@@ -31,6 +31,7 @@ class StepTaken:
     log: bool
     loss: float
     at: float  # wall-clock time the step ended: the first one ends start-up
+    phases: dict[str, float] | None = None  # with a worker group's first step: when its start-up phases ended
 
 
 STEP_KEY = "epoch_step"  # in the report of a checkpoint taken within an epoch: the steps of the epoch done

@@ -65,6 +65,7 @@ class WorkerJob:
 
 def train_loop_per_worker(config: dict) -> None:
     """One worker's run: set up, restore, then per epoch: batches -> steps -> validate -> report."""
+    phases = {"worker": time.time()}  # rank 0's start-up (pipeline.common.startup), sent with its first step
     job: WorkerJob = config["job"]
     cfg, events, coordinator = job.cfg, job.events, job.coordinator
     context = ray.train.get_context()
@@ -102,6 +103,7 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0:  # the driver counts every restore
             step = within.step if within else 0
             events.put(CheckpointRestored(start, world_size, step, start * steps + step))
+    phases["model"] = time.time()
     progress = events.put if rank == 0 else None
     stalled = 0.0  # seconds the last checkpoint held training up
     checkpoints = StepCheckpoints(
@@ -128,6 +130,7 @@ def train_loop_per_worker(config: dict) -> None:
             ledger=ledger,
             checkpoints=checkpoints,
             resumed=resumed.figures if resumed else None,
+            phases=phases if epoch == start else None,
         )
         if trained is None:  # the command is stopping: the checkpoint is saved
             return
@@ -176,13 +179,14 @@ def train_epoch(
     ledger: Ledger,
     checkpoints: StepCheckpoints,
     resumed: dict | None,
+    phases: dict[str, float] | None = None,
 ) -> tuple[EpochTelemetry, int] | None:
     """One pass over the worker's training shard (steps ``done + 1`` to ``last``): its figures
     (:class:`pipeline.training.telemetry.EpochTelemetry`, with those of the steps ``resumed`` from) and its last
     step, or None when the command is stopping and the step's checkpoint is saved. ``progress`` (rank 0) gets the
     step and batch loss once a second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the
-    global step). After an optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of
-    the rows trained on.
+    global step), and with the first step the worker's start-up ``phases`` and its first batch's arrival. After an
+    optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of the rows trained on.
 
     The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
     fewer batches than ``last`` (rows skipped by a transform), what they accumulated after the last step
@@ -197,6 +201,8 @@ def train_epoch(
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
     step = steps.done  # a resumed epoch may have no batch left: it only validates
     for step, batch in enumerate(telemetry.timed(batches), start=steps.done + 1):
+        if phases is not None:
+            phases.setdefault("first_batch", time.time())
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
         update = step % accumulate == 0 or step == steps.last  # an optimizer step after this batch
@@ -213,9 +219,17 @@ def train_epoch(
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
             # .item() waits for the step: rarely
             progress(
-                StepTaken(epoch=epoch, step=step, global_step=global_step, log=log, loss=loss.item(), at=time.time())
+                StepTaken(
+                    epoch=epoch,
+                    step=step,
+                    global_step=global_step,
+                    log=log,
+                    loss=loss.item(),  # waits for the step, as the time after it must
+                    at=time.time(),
+                    phases=phases,
+                )
             )
-            last_sent = time.monotonic()
+            last_sent, phases = time.monotonic(), None
         if update and checkpoints.taken(epoch=epoch, step=step, global_step=global_step, within=(telemetry, ledger)):
             return None  # the command is stopping
     if replica.on_nonfinite == OnNonfinite["raise"] and (batch_number := telemetry.nonfinite_batch()):
