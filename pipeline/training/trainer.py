@@ -1,7 +1,8 @@
 """Runs on the driver: the TorchTrainer built from the config, ``fit()`` run to the end off the main thread,
 a failure explained by its causes, and the checkpoints Ray Train kept.
 
-The workers run :func:`pipeline.training.worker.train_loop_per_worker`; while ``fit()`` runs, their events
+The workers run :func:`pipeline.training.worker.train_loop_per_worker` (through :mod:`.entry`, which keeps its
+imports out of Ray Train's controller); while ``fit()`` runs, their events
 reach the driver through :mod:`pipeline.training.relay`. Canaries of the Ray behaviour this module works
 around: ``tests/test_ray_canaries.py``.
 """
@@ -28,10 +29,11 @@ from pipeline.config import PipelineConfig, ScalingConfig, Strategy
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import checkpoint, finetune, preemption
+from pipeline.training.entry import train_loop_per_worker
 from pipeline.training.finetune import Initial
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.resume import steps_per_epoch
-from pipeline.training.worker import WorkerJob, train_loop_per_worker
+from pipeline.training.worker import WorkerJob
 
 
 def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
@@ -79,17 +81,19 @@ def build_trainer(
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "job": WorkerJob(
-                cfg=cfg,
-                events=events,
-                coordinator=data.coordinator,
-                statistics=data.statistics,
-                train_rows=data.rows["train"],
-                initial=ray.put(initial) if initial is not None else None,
-                storage=storage,
-                on_device=data.on_device,
-                indexed=data.indexed,
-                notice=notice,
+            "job": ray.put(  # an object ref: only the workers import what the job holds (entry.py)
+                WorkerJob(
+                    cfg=cfg,
+                    events=events,
+                    coordinator=data.coordinator,
+                    statistics=data.statistics,
+                    train_rows=data.rows["train"],
+                    initial=ray.put(initial) if initial is not None else None,
+                    storage=storage,
+                    on_device=data.on_device,
+                    indexed=data.indexed,
+                    notice=notice,
+                )
             )
         },
         scaling_config=scaling_config,
