@@ -83,14 +83,24 @@ def by_all(report: dict) -> bool:
 
 
 def startup_line(report: dict) -> str:
-    """The start-up against Ray's floor, as a sentence."""
+    """The start-up against the plain loop and Ray's floors, as a sentence (an older record: the floor only)."""
     figures = report["figures"]
     ours, floor = spread(figures["pipeline_startup_s"], 1), spread(figures["floor_startup_s"], 1)
-    ratio = spread([p / f for p, f in zip(figures["pipeline_startup_s"], figures["floor_startup_s"])])
-    return (
+    line = (
         f"From the command to the first training step, `+experiment=smoke` takes {span(ours, ' s', 1)}, Ray Train + "
-        f"Ray Data alone in a job of the same shape (`bench/floor.py`) {span(floor, ' s', 1)}: "
-        f"{span(ratio, 'x')} as long ({ours['runs']} interleaved pairs)."
+        f"Ray Data alone in a job of the same shape (`bench/floor.py`) {span(floor, ' s', 1)}"
+    )
+    if "plain_startup_s" not in figures:
+        ratio = spread([p / f for p, f in zip(figures["pipeline_startup_s"], figures["floor_startup_s"])])
+        return f"{line}: {span(ratio, 'x')} as long ({ours['runs']} interleaved pairs)."
+    plain, local = spread(figures["plain_startup_s"], 1), spread(figures["local_mode_floor_startup_s"], 1)
+    after = spread(figures["after_plain_s"], 1)
+    return (
+        f"{line}, in Ray Train's local mode (no worker group) {span(local, ' s', 1)}; the plain loop on the same rows "
+        f"and model {span(plain, ' s', 1)}: the pipeline's first step came {span(after, ' s', 1)} after the loop's "
+        f"({ours['runs']} interleaved rounds). Its phases, mean s from the command: "
+        + ", ".join(f"{phase.replace('_', ' ')} {s}" for phase, s in figures["phases_mean"].items())
+        + "."
     )
 
 
@@ -174,10 +184,8 @@ def page(record: dict) -> str:
         sections.append(f"## bench/{name}.py\n\n{taken([bench])}.\n")
         sections += [detail(row) + "\n" for row in bench["rows"]]
     startup = benches["startup"]["figures"]
-    sections.append(
-        f"{startup_line(benches['startup'])} Pipeline {startup['pipeline_startup_s']} s, Ray's floor "
-        f"{startup['floor_startup_s']} s.\n"
-    )
+    each = ", ".join(f"{key}: {value}" for key, value in startup.items() if key.endswith("_startup_s"))
+    sections.append(f"{startup_line(benches['startup'])} Each round's seconds: {each}.\n")
     return "\n".join(sections)
 
 
@@ -196,14 +204,18 @@ if __name__ == "__main__":
     mode.add_argument("--quick", action="store_true", help="the README's figures")
     mode.add_argument("--full", action="store_true", help="the README's figures, then every other benchmark")
     mode.add_argument("--render", action="store_true", help="docs/figures.md and the README from docs/figures.json")
+    parser.add_argument(
+        "--only", nargs="+", choices=QUICK, help="with --quick: these benches; the rest keep their record"
+    )
     arguments = parser.parse_args()
     if not arguments.render:
         import torch
 
         gpu = torch.cuda.is_available()
-        run(QUICK, gpu)
+        quick = tuple(arguments.only or QUICK)
+        run(quick, gpu)
         earlier = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-        record = collect([s.removesuffix(".py") for s in QUICK] + ["gpu"] * gpu, earlier)
+        record = collect([s.removesuffix(".py") for s in quick] + ["gpu"] * gpu, earlier)
         FIGURES.write_text(json.dumps(record, indent=1))
         if arguments.full:
             run(REST, gpu=False)

@@ -3,7 +3,9 @@ this machine. A fresh process imports what such a job needs (Ray Train, Ray Data
 pipeline does (``pipeline.runtime.cluster``), and its workers take the first batch of a tiny range dataset: no model,
 no MLflow, no Hydra, no parquet. The clock starts with the process, as the pipeline's ``startup_s`` does. The
 job has the shape of the one it is compared with: its workers and their CPUs, and as many datasets (Ray
-starts a split coordinator for each). ``bench/startup.py`` runs it beside the pipeline.
+starts a split coordinator for each). ``--workers 0`` is Ray Train's local mode: the training function runs in
+this process, with no controller and no worker group (nor their restarts). ``bench/startup.py`` runs it beside
+the pipeline.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python bench/floor.py [--workers N] [--cpus-per-worker X] [--datasets K]
 """
@@ -28,7 +30,7 @@ from pipeline.runtime.cluster import start_ray  # noqa: E402
 
 def first_batch(config: dict) -> None:
     next(iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=128)))
-    if ray.train.get_context().get_world_rank() == 0:
+    if ray.train.get_context().get_world_rank() == 0:  # local mode: rank 0 too
         with open(config["out"], "w") as out:
             out.write(str(time.time()))
 
@@ -41,7 +43,9 @@ def floor(workers: int, cpus_per_worker: float, datasets: int) -> float:
         TorchTrainer(
             first_batch,
             train_loop_config={"out": out},
-            scaling_config=ray.train.ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=workers, resources_per_worker={"CPU": cpus_per_worker} if workers else None
+            ),
             datasets={name: ray.data.range(10_000) for name in ["train", "valid", "test"][:datasets]},
             run_config=ray.train.RunConfig(storage_path=tmp, name="floor"),
         ).fit()

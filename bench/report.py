@@ -211,6 +211,11 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "val_accuracy": [round(m.value, 4) for m in validations],
         "label_mix": [round(v, 3) for v in history("label_mix")],
         "startup_s": round(history("startup_s")[0], 1),
+        "startup_phases": {  # when each start-up phase ended (pipeline.common.startup)
+            key.removeprefix("startup/").removesuffix("_s"): round(value, 1)
+            for key, value in run.data.metrics.items()
+            if key.startswith("startup/")
+        },
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "to_validation_s": round(validations[-1].timestamp / 1000 - launched, 1),
         "wall_s": wall,
@@ -246,14 +251,16 @@ def metric_history(client: MlflowClient, run, key: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
 
 
-def ray_floor(overrides: list[str]) -> float:
+def ray_floor(overrides: list[str], local_mode: bool = False) -> float:
     """Seconds from command to first batch for Ray Train + Ray Data alone (``bench/floor.py``, a fresh process),
-    for a job of the shape ``overrides`` give: its workers, CPUs per worker, a training and a validation dataset."""
+    for a job of the shape ``overrides`` give: its workers, CPUs per worker, a training and a validation dataset;
+    with ``local_mode``, Ray Train's local mode instead of its worker group (``num_workers=0``)."""
     from pipeline.api import compose
 
     scaling = compose(overrides).scaling
     cpus = scaling.resources_per_worker.get("CPU", 1.0)
-    shape = ["--workers", str(scaling.max_workers), "--cpus-per-worker", str(cpus), "--datasets", "2"]
+    workers = 0 if local_mode else scaling.max_workers
+    shape = ["--workers", str(workers), "--cpus-per-worker", str(cpus), "--datasets", "2"]
     command = [sys.executable, str(Path(__file__).with_name("floor.py")), *shape]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["startup_s"]
