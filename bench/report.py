@@ -262,8 +262,10 @@ def ray_floor(overrides: list[str], local_mode: bool = False) -> float:
     workers = 0 if local_mode else scaling.max_workers
     shape = ["--workers", str(workers), "--cpus-per-worker", str(cpus), "--datasets", "2"]
     command = [sys.executable, str(Path(__file__).with_name("floor.py")), *shape]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["startup_s"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["startup_s"]
 
 
 def span(figure: dict, unit: str = "", digits: int = 2) -> str:
