@@ -17,6 +17,8 @@ from pathlib import Path
 from cpu import Meter
 from mlflow import MlflowClient
 
+from pipeline.common import startup
+
 OUT_DIR = Path("outputs/bench")
 PACKAGES = ("ray", "torch", "torchvision", "pyarrow", "hydra-core", "mlflow")
 
@@ -212,9 +214,7 @@ def pipeline_run(args: list[str], outputs: Path, env: dict | None = None, log: P
         "label_mix": [round(v, 3) for v in history("label_mix")],
         "startup_s": round(history("startup_s")[0], 1),
         "startup_phases": {  # when each start-up phase ended (pipeline.common.startup)
-            key.removeprefix("startup/").removesuffix("_s"): round(value, 1)
-            for key, value in run.data.metrics.items()
-            if key.startswith("startup/")
+            phase: round(run.data.metrics[startup.metric(phase)], 1) for phase in startup.PHASES
         },
         "cache_train_s": [round(v, 1) for v in history("cache_train_s")],
         "to_validation_s": round(validations[-1].timestamp / 1000 - launched, 1),

@@ -21,8 +21,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import OmegaConf
 
+from pipeline.common import startup
 from pipeline.common.errors import PipelineError
-from pipeline.common.startup import PHASES
 
 # The README's quick start (cifar_vit_cpu) on the 512 generated training rows: 16 steps a worker an epoch
 QUICK_START = ["+experiment=cifar_vit_cpu", "train.epochs=4", "ingest.batch_size=32"]
@@ -121,8 +121,8 @@ def test_every_epoch_is_logged_once_with_the_figures_the_workers_reported(cli_ru
     for metric in ("val_accuracy", "val_loss", "train_loss"):  # MLflow holds what rank 0 reported, exactly
         assert run.data.metrics[metric] == reports[-1]["ranks"][0][metric], metric
     assert run.data.metrics["val_rows"] == 256 and run.data.metrics["train_rows"] == 512
-    startup = client.get_metric_history(run.info.run_id, "startup_s")  # command to first training step
-    assert [m.step for m in startup] == [0] and 2.0 < startup[0].value < cli_run.elapsed
+    first_step = client.get_metric_history(run.info.run_id, "startup_s")  # command to first training step
+    assert [m.step for m in first_step] == [0] and 2.0 < first_step[0].value < cli_run.elapsed
     # between epochs: rank 0's batch loss every 2 steps (16 steps an epoch), at the global step
     steps = client.get_metric_history(run.info.run_id, "train_loss_step")
     assert sorted(m.step for m in steps) == list(range(2, 65, 2)) and all(0 < m.value < 10 for m in steps)
@@ -131,21 +131,16 @@ def test_every_epoch_is_logged_once_with_the_figures_the_workers_reported(cli_ru
 @pytest.mark.slow
 def test_each_start_up_phase_is_logged_once_in_the_order_the_run_reaches_it_and_shown_on_the_console(cli_run):
     """Where the first minute went: each phase's end, from the command's start, the driver's and rank 0's, as
-    ``startup/<phase>_s`` (each once, at step 0), never decreasing in the order of PHASES, the last one the
+    ``system/startup_<phase>_s`` (each once, at step 0), never decreasing in the order of PHASES, the last one the
     run's startup_s; and the same figures in one console line once the first step is taken."""
     metrics = cli_run.run.data.metrics
-    logged = {
-        key.removeprefix("startup/").removesuffix("_s"): value
-        for key, value in metrics.items()
-        if key.startswith("startup/")
-    }
-    assert set(PHASES) <= set(logged)  # every phase reached
-    seconds = [logged[phase] for phase in PHASES]
+    logged = {phase: metrics[startup.metric(phase)] for phase in startup.PHASES}  # every phase reached
+    seconds = [logged[phase] for phase in startup.PHASES]
     assert (
         seconds[0] > 0 and seconds == sorted(seconds) and seconds[-1] == pytest.approx(metrics["startup_s"], abs=1e-3)
     )
-    for phase in PHASES:
-        history = cli_run.client.get_metric_history(cli_run.run.info.run_id, f"startup/{phase}_s")
+    for phase in startup.PHASES:
+        history = cli_run.client.get_metric_history(cli_run.run.info.run_id, startup.metric(phase))
         assert [m.step for m in history] == [0], phase
     (line,) = [line for line in cli_run.output.splitlines() if "start-up: sources" in line]
     assert f"first step {metrics['startup_s']:.1f} s" in line and f"ray up {logged['ray_up']:.1f} s" in line

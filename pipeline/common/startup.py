@@ -1,6 +1,7 @@
 """Where a run's first minute goes: the wall-clock time each start-up phase ended, on the driver (:class:`Startup`,
 one per job) and in rank 0's worker (sent with its first step), shown from the command's start on the console and
-logged with the run as ``startup/<phase>_s`` (:meth:`pipeline.tracking.epochs.EpochLog.log_startup`)."""
+logged with the run as ``system/startup_<phase>_s`` (:meth:`pipeline.tracking.epochs.EpochLog.log_startup`): on
+MLflow's System metrics tab, beside the machine's, so the Model metrics tab opens on training's charts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ PHASES = {
     "first_batch": "rank 0's first batch on its device",
     "first_step": "rank 0's first optimizer step taken (startup_s)",
 }
+
+
+def metric(phase: str) -> str:
+    """The MLflow metric of ``phase``'s end."""
+    return f"system/startup_{phase}_s"
 
 
 class Startup:

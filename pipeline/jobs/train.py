@@ -54,6 +54,7 @@ class TrainingJob:
         self.cfg, self.job = cfg, job
         job.run_dir = os.path.abspath(job.run_dir)
         self.inputs = inputs  # checked before Ray started (pipeline.api.run_job), or None: check checks them
+        self.hint: ResumeHint | None = None  # how to continue the run, once it exists (record)
         self.splits: dict[str, source.Split] = {}
         self.initial: finetune.Initial | None = None  # the weights training starts from (finetune.weights)
         self.tracker: Tracker | None = None  # the job's MLflow run (None in a Tune trial: its driver records it)
@@ -92,7 +93,8 @@ class TrainingJob:
         os.makedirs(job.run_dir, exist_ok=True)
         self.tracker = tracker = Tracker.open(self.cfg, job)
         log.info("MLflow run %s in %s; outputs in %s", tracker.run_id, redact(tracker.uri), job.run_dir)
-        with tracker, resume_hint(tracker):
+        self.hint = ResumeHint(tracker)
+        with tracker, self.hint.on_stop():
             tracker.log_data(self.splits, data.statistics)
             tracker.log_ingest(shuffle=data.mixing.summary() if data.mixing else None, device=data.device_steps())
             if data.device_steps():
@@ -119,7 +121,7 @@ class TrainingJob:
         cfg, tracker = self.cfg, self.tracker
         reporter = report_cache(data, tracker)
         progress = console.Progress(cfg.train.epochs, trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning)
-        events = JobEvents(tracker, self.job, progress)
+        events = JobEvents(tracker, self.job, progress, self.hint)
         with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
             self.job.startup.mark("fit")
             result = trainer.fit(cfg, data, storage, events, self.initial)
@@ -189,20 +191,32 @@ def report_cache(data: preprocess.TrainingData, tracker: Tracker) -> threading.T
     return thread
 
 
-@contextmanager
-def resume_hint(tracker: Tracker) -> Iterator[None]:
-    """On Ctrl-C or SIGTERM, say how to continue the run."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        name = tracker.name
-        log.warning(
-            "interrupted: MLflow run %r ends KILLED; its checkpoints stay. Continue it with the same "
-            "command plus: train.resume=true tracking.run_name=%s",
-            name,
-            name,
-        )
-        raise
+class ResumeHint:
+    """How to continue a run stopped by Ctrl-C or SIGTERM, said once: as the stop comes during training (before
+    the stop is recorded and the checkpoint awaited, which ``ray job stop``'s SIGKILL, 3 s after its SIGTERM, may
+    cut short), else as the run's block ends on the stop."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker, self.said = tracker, False
+
+    def say(self) -> None:
+        if not self.said:
+            name = self.tracker.name
+            log.warning(
+                "interrupted: MLflow run %r ends KILLED; its checkpoints stay. Continue it with the same "
+                "command plus: train.resume=true tracking.run_name=%s",
+                name,
+                name,
+            )
+            self.said = True
+
+    @contextmanager
+    def on_stop(self) -> Iterator[None]:
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            self.say()
+            raise
 
 
 def ray_lost(tracker: Tracker, what: str) -> None:
@@ -220,8 +234,8 @@ def ray_lost(tracker: Tracker, what: str) -> None:
 class JobEvents:
     """What a training job's driver does with each worker event (an :class:`pipeline.training.relay.EventHandler`)."""
 
-    def __init__(self, tracker: Tracker, job: Job, progress: console.Progress):
-        self.tracker, self.run_dir, self.progress, self.job = tracker, job.run_dir, progress, job
+    def __init__(self, tracker: Tracker, job: Job, progress: console.Progress, hint: ResumeHint):
+        self.tracker, self.run_dir, self.progress, self.job, self.hint = tracker, job.run_dir, progress, job, hint
 
     def step_taken(self, event: StepTaken) -> None:
         startup = self.job.startup
@@ -254,7 +268,9 @@ class JobEvents:
         self.tracker.epochs.log_step_checkpoint(event.global_step)
 
     def stopping(self, error: BaseException) -> None:
-        """The stop recorded before anything else: ray job stop's SIGKILL may come while the checkpoint is awaited."""
+        """How to continue said, and the stop recorded, while the workers save: ray job stop's SIGKILL may come
+        while the checkpoint is awaited."""
+        self.hint.say()
         self.tracker.record.stop_first("KILLED", error)
 
     def close(self) -> None:

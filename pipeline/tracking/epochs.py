@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 
+from pipeline.common import startup
 from pipeline.common.console import data_wait_note
 from pipeline.common.errors import PipelineError
 from pipeline.config import TrackingConfig
@@ -64,9 +65,9 @@ class EpochLog:
 
     def log_startup(self, seconds: dict[str, float], epoch: int) -> None:
         """Once: ``startup_s``, from the command (a sweep's later jobs: their own start) to the first training step,
-        and ``startup/<phase>_s``, when each phase ended (:mod:`pipeline.common.startup`)."""
+        and when each phase ended (:func:`pipeline.common.startup.metric`)."""
         if not self._startup_logged:
-            phases = {f"startup/{phase}_s": round(s, 3) for phase, s in seconds.items()}
+            phases = {startup.metric(phase): round(s, 3) for phase, s in seconds.items()}
             self.record.write(metrics_record({"startup_s": seconds["first_step"], **phases}, epoch))
             self._startup_logged = True
 
