@@ -80,8 +80,9 @@ _early: Future | None = None  # a start begun by start_early, which connect or a
 
 def start_early(wanted: Runtime) -> None:
     """Begin starting or joining the runtime in a helper thread, so that Ray's processes start while this one
-    imports the job's modules and checks its inputs (3-4 s of a 2-core machine's start-up); :func:`connect` joins
-    it, :func:`abandon_start` ends it when a check fails first."""
+    imports the job's modules and checks its inputs: on a machine with cores to spare, their seconds overlap (on 2
+    busy cores, within noise: docs/performance.md); :func:`connect` joins it, :func:`abandon_start` ends it when a
+    check fails first."""
     global _early
     if ray.is_initialized() or _early is not None:
         return
