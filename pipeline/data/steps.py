@@ -71,26 +71,27 @@ class Steps:
         numbers = batch.get(ROW)
         for fn, kwargs in self.first:
             batch = fn(batch, **kwargs)
-        for fn, takes in self.fns:
+        for name, (fn, takes) in zip(self.specs, self.fns):
             batch = fn(batch, epoch=epoch) if takes and epoch is not None else fn(batch)
+            numbers = carried(batch, numbers, name)
         if self.keep is None:
             return batch
-        return {name: batch[name] for name in self.keep} | carried(batch, numbers, self.keep[-1])
+        return {name: batch[name] for name in self.keep} | ({} if numbers is None else {ROW: numbers})
 
 
-def carried(batch: dict[str, np.ndarray], numbers: np.ndarray | None, label: str) -> dict[str, np.ndarray]:
-    """The rows' numbers (``ROW``), past steps that return only their own columns; a step that drops rows must
-    hand the other columns on (``{**batch, ...}``, as the built-in ones do), else the ledger would lose count."""
-    if numbers is None:
-        return {}
-    if ROW in batch:
-        return {ROW: batch[ROW]}
-    if len(batch[label]) != len(numbers):
+def carried(batch: dict[str, np.ndarray], numbers: np.ndarray | None, step: str) -> np.ndarray | None:
+    """The rows' numbers (``ROW``) after ``step``: the batch's own, or, from a step that returns only its own
+    columns, those it was given (it must keep the rows and their order). A step that drops rows must hand the
+    other columns on (``{**batch, ...}``, as the built-in ones do), else the ledger would lose count."""
+    if numbers is None or ROW in batch:
+        return batch.get(ROW, numbers)
+    if any(len(values) != len(numbers) for values in batch.values()):
         raise PipelineError(
-            f"a transform step dropped rows and the column {ROW!r} with them: a step that drops rows must return the "
-            "batch's other columns too ({**batch, column: values}), so each row's number stays with it."
+            f"transform step {step!r} changed the number of rows ({len(numbers)} given) and dropped the column "
+            f"{ROW!r} with them: a step that drops, adds or reorders rows must return the batch's other columns too "
+            "({**batch, column: values}), so that each row's number stays with it (docs/configuration.md)."
         )
-    return {ROW: numbers}
+    return numbers
 
 
 _instances: dict[str, Any] = {}  # a process's class steps, built once (a gathering task's process runs many)
