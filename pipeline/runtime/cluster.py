@@ -193,6 +193,14 @@ def token_refused(address: str | None) -> PipelineError:
     )
 
 
+def on_this_node() -> dict:
+    """Ray options that keep an actor on this process's node: the job's own actors (its data coordinator, event
+    queue and stop notice) go with the driver, never with a preprocessing node that a cluster may lose."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node["Alive"]]
 

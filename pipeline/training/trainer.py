@@ -27,6 +27,7 @@ from pipeline.common import signals
 from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, ScalingConfig, Strategy
 from pipeline.data.preprocess import TrainingData
+from pipeline.runtime.cluster import on_this_node
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import checkpoint, finetune, preemption
 from pipeline.training.entry import train_loop_per_worker
@@ -133,7 +134,8 @@ def fit(
     a job; none for a Tune trial, whose reports reach Tune); a worker or controller failure becomes one PipelineError
     naming its cause. ``initial``: the weights training starts from (None: random ones). ``callbacks``:
     more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
-    events, notice = Queue(actor_options={"num_cpus": 0}), preemption.Notice.remote()
+    here = on_this_node()  # they go with the driver, never with a node the cluster loses
+    events, notice = Queue(actor_options={"num_cpus": 0, **here}), preemption.Notice.options(**here).remote()
     try:
         trainer = build_trainer(cfg, data, storage, events, list(callbacks), initial=initial, notice=notice)
         with relayed(events, handler):
