@@ -6,7 +6,8 @@ layouts:
   Tune sweep whose workers take one runs a trial on each node; the GPU node has one ``elastic_slot``, and a third
   node with another joins on the line ``add`` and leaves on ``remove`` (each answered with a JSON line).
 - ``preprocessing``: a head for training (label ``node-type=train``) and two CPU-only preprocessing nodes (label
-  ``node-type=cpu``), each node with an object store of 100 MB.
+  ``node-type=cpu``), each node with an object store of 100 MB. On ``lose``, the second preprocessing node is
+  removed (a spot node reclaimed); on ``add``, another joins.
 
 Prints one JSON line (GCS address, dashboard URL, node ids), then serves until its stdin closes or SIGTERM, and
 shuts down.
@@ -56,9 +57,10 @@ def main(layout: str, dashboard_port: int) -> None:
         head = {"num_cpus": 2, "labels": {"node-type": "train"}, "object_store_memory": store, **dashboard}
         cluster = Cluster(initialize_head=True, head_node_args=head)
         nodes = {"train_node": cluster.head_node.node_id}
+        preprocessing = []
         for i in range(2):
-            node = cluster.add_node(num_cpus=2, labels={"node-type": "cpu"}, object_store_memory=store)
-            nodes[f"cpu_node_{i}"] = node.node_id
+            preprocessing.append(cluster.add_node(num_cpus=2, labels={"node-type": "cpu"}, object_store_memory=store))
+            nodes[f"cpu_node_{i}"] = preprocessing[-1].node_id
     cluster.wait_for_nodes()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # killed, still shut the cluster down
     print(
@@ -68,13 +70,21 @@ def main(layout: str, dashboard_port: int) -> None:
     joined = []
     try:
         for line in sys.stdin:  # until the test closes it: "add" a third node, "remove" it (elastic training)
-            if line.strip() == "add":
+            if line.strip() == "add" and layout == "two-node":
                 joined.append(cluster.add_node(num_cpus=1, resources={"elastic_slot": 1}))
+                cluster.wait_for_nodes()
+                print(json.dumps({"added": joined[-1].node_id}), flush=True)
+            elif line.strip() == "add":
+                joined.append(cluster.add_node(num_cpus=2, labels={"node-type": "cpu"}, object_store_memory=store))
                 cluster.wait_for_nodes()
                 print(json.dumps({"added": joined[-1].node_id}), flush=True)
             elif line.strip() == "remove":
                 cluster.remove_node(joined.pop())
                 print(json.dumps({"removed": True}), flush=True)
+            elif line.strip() == "lose":
+                lost = preprocessing.pop()
+                cluster.remove_node(lost)
+                print(json.dumps({"removed": lost.node_id}), flush=True)
     finally:
         cluster.shutdown()
         shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)

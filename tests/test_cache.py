@@ -81,7 +81,7 @@ def test_a_cached_split_holds_the_rows_streaming_gives(tmp_path, ray_runtime):
     streamed = rows_of(preprocess.dataset(split, split.steps, ["image", "label"], cfg.source))
     with in_block_order() as coordinator:
         cache = preprocess.cached_split(split, row_groups(split), ["image", "label"], None, 3200)
-        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator)
+        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator, name="train")
         cached = rows_of(ds)
     table = pq.read_table(split.files)
     pixels = decode_image({"image": np.array(table["image"].to_pylist(), dtype=object)})["image"]
@@ -100,7 +100,7 @@ def epoch_rows(cfg: dict, split: source.Split, epochs: list[int]) -> list[list[t
     passes = []
     with in_block_order() as coordinator:
         built = preprocess.cached_split(split, row_groups(split), ["image", "label"], 0, 3200)
-        ds = preprocess.cached_dataset(split, built, row_groups(split), ["image", "label"], coordinator)
+        ds = preprocess.cached_dataset(split, built, row_groups(split), ["image", "label"], coordinator, name="train")
         for epoch in epochs:
             ray.get(coordinator.set_epoch.remote(epoch))
             passes.append(rows_of(ds))
@@ -129,7 +129,7 @@ class ListedCache:
 
     def window(self, epoch: int, index: int, count: int):
         groups = pieces.window_groups(len(self.by_group), self.seed, epoch, count)[index]
-        return [i for g in groups for i in self.by_group[g]], [[(self.rows, 0)] for _ in groups]
+        return [i for g in groups for i in self.by_group[g]], [[(self.rows, 0)] for _ in groups], [None] * len(groups)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -428,3 +428,47 @@ def test_a_local_runtime_started_in_a_thread_dies_when_the_thread_ends_unless_it
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", STARTED_IN_A_THREAD, thread], env=env, capture_output=True, text=True)
     assert f"gcs alive: {thread == 'lasting'} 1" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+PLACED_BY_NODE_LABEL = """
+import os, sys, time
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import numpy as np, ray
+from ray.cluster_utils import Cluster
+from pipeline.common.workarounds import on_node_else
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20})
+nodes = [cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20, labels={"node-type": "cpu"}) for _ in range(2)]
+cluster.wait_for_nodes()
+ray.init(address=cluster.address)
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Reader:
+    def read(self, n):
+        return np.full(2_000_000, n, dtype=np.uint8)
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+readers = [Reader.options(**on_node_else(node.node_id, {"node-type": "cpu"})).remote() for node in nodes]
+print("placed:", [ray.get(r.node.remote()) for r in readers] == [node.node_id for node in nodes])
+data = readers[1].read.remote(7)
+ray.wait([data], fetch_local=False)
+cluster.remove_node(nodes[1])
+print("rebuilt:", int(ray.get(data, timeout=60)[0]), ray.get(readers[1].node.remote(), timeout=60) == nodes[0].node_id)
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+@pytest.mark.slow  # a 3-node Cluster in a subprocess: about 15 s
+def test_an_actor_placed_by_its_nodes_label_restarts_on_a_fallback_node_and_rebuilds_its_lost_returns():
+    """Workaround: ``workarounds.on_node_else`` (the streams' readers). An actor aimed at a node by the node's
+    ``ray.io/node-id`` label starts there; when that node is lost it restarts on a node its fallback selects, and
+    Ray rebuilds what its calls returned (their owner, here the driver, asks for them) by calling it again."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", PLACED_BY_NODE_LABEL], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert "placed: True" in done.stdout and "rebuilt: 7 True" in done.stdout, done.stdout + done.stderr[-2000:]

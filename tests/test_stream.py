@@ -25,6 +25,62 @@ def test_the_tasks_of_an_epoch_read_each_window_in_one_run_of_consecutive_tasks(
         assert [shares[task][1:] for task in run] == [(part, len(run)) for part in range(len(run))]
 
 
+def three_homes(seed: int | None) -> pieces.WindowRows:
+    """A window of 6 pieces of 10 rows, two on each of nodes a, b and c, its rows mixed with ``seed``."""
+    starts = np.arange(0, 70, 10)
+    order = np.arange(60) if seed is None else np.random.default_rng([seed, 0, 0]).permutation(60)
+    homes = ["a", "a", "b", "b", "c", "c"]
+    key = None if seed is None else [seed, 0, 0]
+    return pieces.WindowRows(
+        refs=list(range(6)),
+        starts=starts,
+        order=order,
+        numbers=None,
+        piece_bytes=np.full(6, 100),
+        piece_homes=homes,
+        key=key,
+    )
+
+
+@pytest.mark.parametrize("tasks", [3, 4, 7, 12])
+def test_a_window_held_on_three_nodes_is_cut_into_parts_each_of_one_node_every_row_once(tasks):
+    """Each part gathers rows held on one node only (nothing crosses the network), each node has parts by its rows,
+    and together the parts hold every row of the window once, mixed within each node's share."""
+    rows = three_homes(seed=4)
+    plan = rows.parts(tasks)
+    assert len(plan) == tasks and {home for home, _, _ in plan} == {0, 1, 2}
+    parts = [rows.part(home, index, count, 3) for home, index, count in plan]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(60))
+    for (home, _, _), part in zip(plan, parts):
+        piece, _ = rows.where(part)
+        assert {rows.piece_homes[p] for p in piece} == {rows.homes()[home]}
+    first = parts[0]
+    assert first.tolist() != sorted(first.tolist())  # mixed among the node's rows
+    assert rows.parts(2) == [(0, 0, 2), (0, 1, 2)]  # fewer tasks than nodes: the whole window, as on one node
+    assert rows.part(0, 0, 1, 1).tolist() == rows.order.tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_task_claims_a_part_on_its_own_node_while_one_is_left_each_part_once(seed):
+    """Tasks claim parts in any order, from any node (here node c runs none): each part once; a task gets a part of
+    its own node while one is left there, its own part where that is one; one that asks again (Ray retried it,
+    perhaps elsewhere) gets the same part."""
+    rng = np.random.default_rng(seed)
+    homes = ["a", "a", "a", "b", "b", "c", "c"]
+    claimed: dict[int, int] = {}
+    got = {}
+    for task in rng.permutation(7).tolist():
+        node = str(rng.choice(["a", "b"]))
+        left_here = {part for part in range(7) if homes[part] == node} - set(claimed.values())
+        got[task] = pieces.claim(claimed, task, node, homes)
+        if left_here:
+            assert homes[got[task]] == node
+        if task in left_here:
+            assert got[task] == task
+    assert sorted(got.values()) == list(range(7))
+    assert all(pieces.claim(claimed, task, "c", homes) == part for task, part in got.items())
+
+
 def row_groups_split(root, files: int, rows: int = 16):
     """``root``'s training split: ``files`` files of one row group each, ``rows`` rows a file."""
     write_split(root / "cifar10" / "train", files * rows, files, seed=3)
@@ -103,15 +159,16 @@ def test_the_coordinator_reads_ahead_and_lets_a_window_go_once_its_tasks_are_don
         assert held() == [0, 1, 2]  # window 0's tasks may still gather from it
         ray.get(coordinator.window.remote("train", plan, 0, 2))
         assert held() == [1, 2, 3]  # two windows on, window 0 went; window 1, one before the newest, stays
-        refs, sizes = ray.get(coordinator.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
+        refs, sizes, _ = ray.get(coordinator.window.remote("train", plan, 1, 2))  # epoch 1, window 2: key 6
         assert held() == [2, 3, 6, 7]  # epoch 0's window 1, more than an epoch behind, went
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16
-        refs, sizes = ray.get(coordinator.window.remote("train", plan, 0, 0))  # a retried task of window 0
+        refs, sizes, _ = ray.get(coordinator.window.remote("train", plan, 0, 0))  # a retried task of window 0
         assert sum(n for size in sizes for n, _ in size) == 16 and len(ray.get(refs[0])) == 16  # read again for it
         assert held() == [0, 2, 3, 6, 7]
         ray.get(coordinator.window.remote("train", plan, 1, 2))
         assert held() == [2, 3, 6, 7]  # the retried read goes at the next ask
-        assert sum(ray.get(coordinator.reads.remote()).values()) > 0  # the bytes read, by node
+        read, fetched = ray.get(coordinator.reads.remote())
+        assert sum(read.values()) > 0 and fetched == {}  # the bytes read, by node; one node fetches from none
     finally:
         ray.kill(coordinator)
 
@@ -123,7 +180,7 @@ def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time
     split.steps = {"decode": cfg.transforms.train["decode"]}
     with in_block_order() as coordinator:
         cache = preprocess.cached_split(split, row_groups(split), ["image", "label"], 5, 3200)
-        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator)
+        ds = preprocess.cached_dataset(split, cache, row_groups(split), ["image", "label"], coordinator, name="train")
         passes = []
         for epoch in (0, 1):
             ray.get(coordinator.set_epoch.remote(epoch))

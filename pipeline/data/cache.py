@@ -21,7 +21,16 @@ import numpy as np
 import pyarrow.fs as pafs
 import ray
 
-from pipeline.data.pieces import RowGroup, Windows, batch_bytes, group_order, numpy_batch, read_group, window_groups
+from pipeline.data.pieces import (
+    RowGroup,
+    Sizes,
+    Windows,
+    batch_bytes,
+    group_order,
+    numpy_batch,
+    read_group,
+    window_groups,
+)
 
 PIECE_BYTES = 16 * 2**20  # a cached object's size at most (a row group bigger than this is cut up)
 # Epoch 0 reads the cache as it is built, in up to this many windows of at least this many row groups each
@@ -33,13 +42,15 @@ PIECES_PER_TASK = 8  # an epoch's tasks each make about this many pieces' worth 
 @ray.remote
 def build_pieces(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str], prepare, pieces: int) -> tuple:
     """Read one row group, run ``prepare`` (the steps that run once) on it and return it in ``pieces``
-    objects of about equal rows, then ``(rows, bytes)`` of each (what the driver reports)."""
+    objects of about equal rows, then ``(rows, bytes)`` of each (what the driver reports), then this node's id
+    (where they are kept: the epochs' tasks gather from the pieces on their own node)."""
     batch = prepare(numpy_batch(read_group(group, filesystem, columns), group.file))
     cuts = np.array_split(np.arange(len(batch["path"])), pieces)
     out = [
         {key: values[cut[0] : cut[-1] + 1] if len(cut) else values[:0] for key, values in batch.items()} for cut in cuts
     ]
-    return (*out, [(len(piece["path"]), batch_bytes(piece)) for piece in out])
+    sizes = [(len(piece["path"]), batch_bytes(piece)) for piece in out]
+    return (*out, sizes, ray.get_runtime_context().get_node_id())
 
 
 @dataclass(kw_only=True)
@@ -50,6 +61,7 @@ class Cache:
     pieces: list[ray.ObjectRef]
     by_group: list[list[int]]  # row group -> indices into pieces
     sizes: list[ray.ObjectRef]  # per row group: [(rows, bytes)] of its pieces
+    homes: list[ray.ObjectRef]  # per row group: the node its pieces were built on
     seed: int | None
     started: float  # time.perf_counter() when the tasks were submitted
 
@@ -68,9 +80,10 @@ class Cache:
     def tasks(self) -> int:
         return math.ceil(len(self.pieces) / PIECES_PER_TASK)
 
-    def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], list[list[tuple[int, int]]]]:
+    def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], Sizes, list[str]]:
         groups = window_groups(len(self.by_group), self.seed, epoch, count)[index]
-        return [self.pieces[i] for g in groups for i in self.by_group[g]], ray.get([self.sizes[g] for g in groups])
+        found = ray.get([self.sizes[g] for g in groups] + [self.homes[g] for g in groups])
+        return [self.pieces[i] for g in groups for i in self.by_group[g]], found[: len(groups)], found[len(groups) :]
 
     @staticmethod
     def take(parts: dict[int, dict[str, np.ndarray]], piece: np.ndarray, row: np.ndarray) -> dict[str, np.ndarray]:
@@ -107,14 +120,14 @@ def build(
 ) -> Cache:
     """Submit one :func:`build_pieces` task per row group, in epoch 0's order, each cut into pieces of at most
     ``PIECE_BYTES`` by the estimated ``row_bytes``; returns at once, while Ray runs them."""
-    pieces, by_group, sizes = [], [[] for _ in groups], [None] * len(groups)
+    pieces, by_group, sizes, homes = [], [[] for _ in groups], [None] * len(groups), [None] * len(groups)
     for g in group_order(len(groups), seed, 0):
         group = groups[g]
         count = max(1, math.ceil(group.rows * row_bytes / PIECE_BYTES))
         # SPREAD, as Ray Data's reads: over the nodes, and never into a Tune trial's placement group
-        *refs, sizes[g] = build_pieces.options(num_returns=count + 1, scheduling_strategy="SPREAD", **options).remote(
-            group, filesystem, columns, prepare, count
-        )
+        *refs, sizes[g], homes[g] = build_pieces.options(
+            num_returns=count + 2, scheduling_strategy="SPREAD", **options
+        ).remote(group, filesystem, columns, prepare, count)
         by_group[g] = list(range(len(pieces), len(pieces) + count))
         pieces += refs
-    return Cache(pieces=pieces, by_group=by_group, sizes=sizes, seed=seed, started=time.perf_counter())
+    return Cache(pieces=pieces, by_group=by_group, sizes=sizes, homes=homes, seed=seed, started=time.perf_counter())

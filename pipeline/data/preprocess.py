@@ -15,7 +15,6 @@ import numpy as np
 import ray
 import ray.data
 from ray.exceptions import RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
@@ -32,7 +31,7 @@ from pipeline.data.steps import (
     read_steps,
     streamed_steps,
 )
-from pipeline.runtime.cluster import alive_nodes
+from pipeline.runtime.cluster import alive_nodes, on_this_node, placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose windows hold less of its labels than this (of a full shuffle's) warns
 
@@ -70,13 +69,17 @@ class TrainingData:
         return "; ".join(f"{split}: {', '.join(steps)}" for split, steps in self.on_device.items() if steps) or None
 
     def reads(self) -> str | None:
-        """Where the streamed splits were read so far: each node's share of the bytes (None: nothing streamed)."""
-        by_node = ray.get(self.coordinator.reads.remote())
+        """Where the streamed splits were read so far, each node's share of the bytes, and what the gathering tasks
+        fetched from other nodes' stores, per node (None: nothing streamed or fetched)."""
+        by_node, received = ray.get(self.coordinator.reads.remote())
         total = sum(by_node.values())
-        if not total:
+        if not total and not received:
             return None
         shares = ", ".join(f"{node[:8]} {size / total:.0%}" for node, size in sorted(by_node.items()))
-        return f"{total / 2**20:,.0f} MiB read on {len(by_node)} node(s): {shares}"
+        fetched = ", ".join(f"{node[:8]} {size / 2**20:,.1f} MiB" for node, size in sorted(received.items()))
+        return f"{total / 2**20:,.0f} MiB read on {len(by_node)} node(s): {shares}; fetched from other nodes: " + (
+            fetched or "none"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +122,7 @@ class Mixing:
 
 def start_coordinator() -> Any:
     """The job's coordinator, on this process's node: it starts the streams' readers, and goes with the job."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Coordinator.options(scheduling_strategy=here).remote()
+    return Coordinator.options(**on_this_node()).remote()
 
 
 def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: CachePlan | None = None) -> TrainingData:
@@ -165,6 +167,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                         groups,
                         columns,
                         data.coordinator,
+                        name=name,
                         on_device=data.on_device[name],
                         numbered=name == "train",
                     )
@@ -183,7 +186,8 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                 data.datasets[name], data.streams[name] = streaming
             if name == "train":
                 windows = (data.caches.get(name) or data.streams[name]).windows.later
-                data.mixing = mixing(groups, windows, shuffle, layout, cfg)
+                homes = 1 if indexed else len(placeable_nodes(read_placement(split.steps))) or 1
+                data.mixing = mixing(groups, windows, shuffle, layout, cfg, homes)
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
             data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
@@ -199,12 +203,18 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
 
 
 def mixing(
-    groups: list[pieces.RowGroup], windows: int, seed: int | None, layout: source.Layout, cfg: PipelineConfig
+    groups: list[pieces.RowGroup],
+    windows: int,
+    seed: int | None,
+    layout: source.Layout,
+    cfg: PipelineConfig,
+    homes: int = 1,
 ) -> Mixing | None:
-    """How the training split's steady-state windows mix its labels (:func:`pipeline.data.pieces.mix`); unshuffled,
-    a batch takes consecutive rows, as if each row group were a window. None where the footers have no label
-    ranges."""
-    windows = windows if seed is not None else len(groups)
+    """How the training split's steady-state windows mix its labels (:func:`pipeline.data.pieces.mix`), each window's
+    rows mixed within the share of each of the ``homes`` nodes that hold it (:mod:`pipeline.data.pieces`): as
+    ``windows * homes`` windows; unshuffled, a batch takes consecutive rows, as if each row group were a window.
+    None where the footers have no label ranges."""
+    windows = min(len(groups), windows * homes) if seed is not None else len(groups)
     values = None  # a regression's numbers: the share of their range
     if cfg.task.type == "classification":  # the labels as stored: class names, or their indices
         values = layout.classes or list(range(cfg.source.num_classes or 0)) or None
@@ -271,7 +281,7 @@ def streamed_dataset(
     )
     numbers = pieces.row_numbers(groups) if numbered else None
     epochs = epoch_dataset(
-        streaming, shuffle_seed, steps, read_steps(split), columns, coordinator, where=where, numbers=numbers
+        streaming, shuffle_seed, steps, read_steps(split), columns, coordinator, name=name, where=where, numbers=numbers
     )
     return epochs, streaming
 
@@ -306,17 +316,21 @@ def cached_dataset(
     columns: list[str],
     coordinator,
     *,
+    name: str,
     on_device: dict[str, TransformSpec] | None = None,
     numbered: bool = False,
 ) -> ray.data.Dataset:
-    """A lazy dataset that reads ``split``'s cache (``built`` from its row ``groups``) each epoch, mixed with the
+    """A lazy dataset that reads ``split``'s cache (``built`` from its row ``groups``; ``name``: the split's) each
+    epoch, mixed with the
     cache's seed, with the per-epoch steps but those ``on_device`` (the training workers run them) chained on.
     ``columns`` as :func:`dataset`'s; ``numbered``: as :func:`epoch_dataset`'s."""
     _, every_epoch = cached_steps(split.steps)
     where = read_placement(every_epoch)  # the gathering tasks run where the per-epoch steps would
     every_epoch = {name: spec for name, spec in every_epoch.items() if name not in (on_device or {})}
     numbers = pieces.row_numbers(groups) if numbered else None
-    return epoch_dataset(built, built.seed, every_epoch, [], columns, coordinator, where=where, numbers=numbers)
+    return epoch_dataset(
+        built, built.seed, every_epoch, [], columns, coordinator, name=name, where=where, numbers=numbers
+    )
 
 
 def epoch_dataset(
@@ -327,12 +341,13 @@ def epoch_dataset(
     columns,
     coordinator,
     *,
+    name: str,
     where: dict,
     numbers: np.ndarray | None = None,
 ):
-    """Each epoch gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`) by tasks placed as
-    ``where`` says (:func:`pipeline.data.steps.placement`), ``first`` (:func:`read_steps`) and ``steps`` run on the
-    rows as they are gathered, in the same task, which keeps only ``columns``; with ``numbers`` (the training
+    """Each epoch of split ``name`` gathered from ``source``'s pieces (:func:`pipeline.data.pieces.dataset`) by tasks
+    placed as ``where`` says (:func:`pipeline.data.steps.placement`), ``first`` (:func:`read_steps`) and ``steps`` run
+    on the rows as they are gathered, in the same task, which keeps only ``columns``; with ``numbers`` (the training
     split's), each row's number as well, and a resumed epoch without the rows trained on before the stop."""
     then = Steps(steps, first, keep=columns)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **where}
@@ -340,6 +355,7 @@ def epoch_dataset(
         source,
         source.windows,
         source.tasks,
+        name=name,
         seed=seed,
         then=then,
         coordinator=coordinator,
