@@ -35,6 +35,14 @@ import pyarrow.parquet as pq
 from report import data_dir, table, write
 
 BENCH = Path(__file__).resolve().parent
+# --photos: photos of real sizes (bench/ingest.py's streamed set, 40,000 rows), the ImageNet steps
+PHOTOS = [
+    f"source.root={BENCH.parent / 'outputs' / 'bench' / 'data'}",
+    "source=photos",
+    "transforms=imagenet",
+    "source.train=${source.root}/photos_streamed/train",
+    "source.valid=${source.root}/photos_streamed/valid",
+]
 DATA = (BENCH.parent / "outputs" / "bench" / "data" / "cluster").resolve()
 GROUP_ROWS = 500
 EPOCHS = 4
@@ -151,13 +159,27 @@ def spilled(address: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bare: bool, extra: list[str]) -> dict:
-    """One cluster of ``nodes`` preprocessing nodes: rows/s per epoch, bytes read per node, MiB spilled."""
+def one(
+    nodes: int,
+    cpus: int,
+    store: int,
+    latency: float,
+    bandwidth: float,
+    bare: bool,
+    extra: list[str],
+    *,
+    head_cpus: int = 0,
+    photos: bool = False,
+    lose: bool = False,
+) -> dict:
+    """One cluster of ``nodes`` preprocessing nodes: rows/s per epoch, bytes read and fetched from other nodes per
+    node, MiB spilled. ``lose``: a preprocessing node removed halfway through epoch 1 and another added."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=cpus, object_store_memory=store, labels={"node-type": "cpu"})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": store})
+    preprocessing = [
+        cluster.add_node(num_cpus=cpus, object_store_memory=store, labels={"node-type": "cpu"}) for _ in range(nodes)
+    ]
     cluster.wait_for_nodes()
     import ray
 
@@ -168,13 +190,14 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
 
     ledger, head = tempfile.mkdtemp(prefix="ledger-"), cluster.head_node.node_id
     try:
+        data_set = PHOTOS if photos else [f"source.root={prepare()}"]
+        pinned = ["train.decode", "valid.decode", *(["train.crop"] if photos else [])]  # those a streamed split runs
         cfg = compose(
             [
-                f"source.root={prepare()}",
+                *data_set,
                 "source.download=null",
                 "ingest.cache=false",
-                *(NO_STEPS if bare else ["+transforms.train.decode.label_selector.node-type=cpu"]),
-                *(NO_STEPS if bare else ["+transforms.valid.decode.label_selector.node-type=cpu"]),
+                *(NO_STEPS if bare else [f"+transforms.{step}.label_selector.node-type=cpu" for step in pinned]),
                 f"ray.address={cluster.address}",
                 *extra,
             ]
@@ -184,16 +207,24 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
         slow = pafs.PyFileSystem(SlowStorage(latency, bandwidth, ledger))
         for split in splits.values():
             split.filesystem = slow
-        rates, seconds = [], []
+        rates, seconds, lost = [], [], None
         with preprocess.training_data(cfg, splits) as data:
             for epoch in range(EPOCHS):
                 ray.get(data.coordinator.set_epoch.remote(epoch))
                 start, rows = time.perf_counter(), 0
                 for batch in data.datasets["train"].iter_batches(batch_size=None):
                     rows += len(batch["label"])
+                    if lose and lost is None and rows >= data.rows["train"] // 2:
+                        lost = preprocessing[-1].node_id
+                        cluster.remove_node(preprocessing.pop())
+                        preprocessing.append(
+                            cluster.add_node(num_cpus=cpus, object_store_memory=store, labels={"node-type": "cpu"})
+                        )
                 seconds.append(time.perf_counter() - start)
                 rates.append(round(rows / seconds[-1]))
                 assert rows == data.rows["train"], (rows, data.rows["train"])
+            reads = ray.get(data.coordinator.reads.remote())
+        received = reads[1] if isinstance(reads, tuple) else {}  # before issue 66 the coordinator counted no fetch
         by_node = Counter()
         for name in os.listdir(ledger):
             with open(os.path.join(ledger, name)) as reads:
@@ -205,7 +236,10 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
             # the preprocessing nodes' shares of the bytes read (the head's: the driver's footer reads)
             "read_share": sorted((round(v / total, 3) for k, v in by_node.items() if k != head), reverse=True),
             "read_mib": round(total / 2**20, 1),
+            # each node's tasks: MiB of pieces fetched from other nodes' stores, all epochs
+            "fetched_mib": sorted((round(v / 2**20, 1) for v in received.values()), reverse=True),
             "spilled_mib": spilled(cluster.address),
+            "rows": data.rows["train"],
         }
     finally:
         ray.shutdown()
@@ -213,14 +247,23 @@ def one(nodes: int, cpus: int, store: int, latency: float, bandwidth: float, bar
 
 
 def main(
-    node_counts: list[int], cpus: int, store: int, latency: float, bandwidth: float, bare: bool, extra: list[str]
+    node_counts: list[int],
+    cpus: int,
+    store: int,
+    latency: float,
+    bandwidth: float,
+    bare: bool,
+    extra: list[str],
+    *,
+    flags: list[str],
 ) -> dict:
     data_dir()
     prepare()
     results = {}
     for nodes in node_counts:
         command = [sys.executable, __file__, "--one", str(nodes), "--cpus", str(cpus), "--store", str(store)]
-        command += ["--latency", str(latency), "--bandwidth", str(bandwidth), *(["--bare"] if bare else []), *extra]
+        command += ["--latency", str(latency), "--bandwidth", str(bandwidth), *(["--bare"] if bare else [])]
+        command += [*flags, *extra]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[nodes] = json.loads(out.strip().splitlines()[-1])
         print(nodes, results[nodes], flush=True)
@@ -232,6 +275,7 @@ def main(
             f"{got['steady_rows_s']:,}",
             f"{got['steady_rows_s'] / base:.2f}x",
             " / ".join(f"{s:.0%}" for s in got["read_share"]),
+            " / ".join(f"{m:,.0f}" for m in got.get("fetched_mib", [])) or "-",
             f"{got['spilled_mib']:,.0f}",
         )
         for nodes, got in results.items()
@@ -242,10 +286,12 @@ def main(
         f"epochs 2-{EPOCHS}",
         "vs first",
         "reads per node",
+        "fetched from others, MiB per node",
         "spilled MiB",
     )
     print(table(rows, header))
-    settings = {"cpus": cpus, "store": store, "latency": latency, "bandwidth": bandwidth, "bare": bare, "extra": extra}
+    settings = {"cpus": cpus, "store": store, "latency": latency, "bandwidth": bandwidth, "bare": bare}
+    settings |= {"flags": flags, "extra": extra}
     figures = {"settings": settings}
     write("cluster", figures | {"runs": results})
     return results
@@ -259,10 +305,15 @@ if __name__ == "__main__":
     parser.add_argument("--latency", type=float, default=0.6, help="seconds each read request waits")
     parser.add_argument("--bandwidth", type=float, default=50e6, help="bytes/s of one read stream")
     parser.add_argument("--bare", action="store_true", help="no transform step: reading is all the work")
+    parser.add_argument("--head-cpus", type=int, default=0, help="CPUs of the head (the driver's node)")
+    parser.add_argument("--photos", action="store_true", help="real-size photos and the ImageNet steps")
+    parser.add_argument("--lose", action="store_true", help="lose a preprocessing node halfway through epoch 1")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one measurement, in this process
     arguments, rest = parser.parse_known_args()
     settings = (arguments.cpus, arguments.store, arguments.latency, arguments.bandwidth, arguments.bare, rest)
     if arguments.one is not None:
-        print(json.dumps(one(arguments.one, *settings)))
+        options = {"head_cpus": arguments.head_cpus, "photos": arguments.photos, "lose": arguments.lose}
+        print(json.dumps(one(arguments.one, *settings, **options)))
     else:
-        main([int(n) for n in arguments.nodes.split(",")], *settings)
+        flags = [f"--head-cpus={arguments.head_cpus}", *(f"--{f}" for f in ("photos", "lose") if getattr(arguments, f))]
+        main([int(n) for n in arguments.nodes.split(",")], *settings, flags=flags)
