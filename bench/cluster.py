@@ -159,22 +159,14 @@ def spilled(address: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def one(
-    nodes: int,
-    cpus: int,
-    store: int,
-    latency: float,
-    bandwidth: float,
-    bare: bool,
-    extra: list[str],
-    *,
-    head_cpus: int = 0,
-    photos: bool = False,
-    lose: bool = False,
-) -> dict:
-    """One cluster of ``nodes`` preprocessing nodes: rows/s per epoch, bytes read and fetched from other nodes per
-    node, MiB spilled. ``lose``: a preprocessing node removed halfway through epoch 1 and another added."""
+def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
+    """One cluster of ``nodes`` preprocessing nodes, as the command line's ``settings`` say (``extra``: config
+    overrides): rows/s per epoch, bytes read and fetched from other nodes per node, MiB spilled. ``--lose``: a
+    preprocessing node removed halfway through epoch 1 and another added."""
     from ray.cluster_utils import Cluster
+
+    cpus, store, bare, photos, lose = settings.cpus, settings.store, settings.bare, settings.photos, settings.lose
+    latency, bandwidth, head_cpus = settings.latency, settings.bandwidth, settings.head_cpus
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "object_store_memory": store})
     preprocessing = [
@@ -246,31 +238,20 @@ def one(
         cluster.shutdown()
 
 
-def main(
-    node_counts: list[int],
-    cpus: int,
-    store: int,
-    latency: float,
-    bandwidth: float,
-    bare: bool,
-    extra: list[str],
-    *,
-    flags: list[str],
-) -> dict:
+def main(node_counts: list[int], settings: argparse.Namespace, extra: list[str]) -> dict:
+    """Each of ``node_counts`` measured by :func:`one` in a process of its own, with this command's arguments."""
     data_dir()
     prepare()
     results = {}
     for nodes in node_counts:
-        command = [sys.executable, __file__, "--one", str(nodes), "--cpus", str(cpus), "--store", str(store)]
-        command += ["--latency", str(latency), "--bandwidth", str(bandwidth), *(["--bare"] if bare else [])]
-        command += [*flags, *extra]
+        command = [sys.executable, __file__, *sys.argv[1:], "--one", str(nodes)]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[nodes] = json.loads(out.strip().splitlines()[-1])
         print(nodes, results[nodes], flush=True)
     base = results[node_counts[0]]["steady_rows_s"]
     rows = [
         (
-            f"{nodes} node(s) x {cpus} CPUs",
+            f"{nodes} node(s) x {settings.cpus} CPUs",
             *(f"{r:,}" for r in got["rows_s"]),
             f"{got['steady_rows_s']:,}",
             f"{got['steady_rows_s'] / base:.2f}x",
@@ -290,9 +271,7 @@ def main(
         "spilled MiB",
     )
     print(table(rows, header))
-    settings = {"cpus": cpus, "store": store, "latency": latency, "bandwidth": bandwidth, "bare": bare}
-    settings |= {"flags": flags, "extra": extra}
-    figures = {"settings": settings}
+    figures = {"settings": {**vars(settings), "extra": extra}}
     write("cluster", figures | {"runs": results})
     return results
 
@@ -310,10 +289,7 @@ if __name__ == "__main__":
     parser.add_argument("--lose", action="store_true", help="lose a preprocessing node halfway through epoch 1")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one measurement, in this process
     arguments, rest = parser.parse_known_args()
-    settings = (arguments.cpus, arguments.store, arguments.latency, arguments.bandwidth, arguments.bare, rest)
     if arguments.one is not None:
-        options = {"head_cpus": arguments.head_cpus, "photos": arguments.photos, "lose": arguments.lose}
-        print(json.dumps(one(arguments.one, *settings, **options)))
+        print(json.dumps(one(arguments.one, arguments, rest)))
     else:
-        flags = [f"--head-cpus={arguments.head_cpus}", *(f"--{f}" for f in ("photos", "lose") if getattr(arguments, f))]
-        main([int(n) for n in arguments.nodes.split(",")], *settings, flags=flags)
+        main([int(n) for n in arguments.nodes.split(",")], arguments, rest)
