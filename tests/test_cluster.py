@@ -346,10 +346,10 @@ def test_a_streamed_split_is_read_where_it_is_gathered_and_survives_a_lost_prepr
 ):
     """Three nodes: training on the head, the decode pinned to two CPU-only nodes by label, as a user writes it. A
     streamed split of several windows (ingest.cache_share=0.1 of the 100 MB stores) is read on the preprocessing
-    nodes, never on the head, and gathered where it was read: the nodes fetch from each other less than half of
-    what they read, the loss included. One preprocessing node is lost at the run's first step and another joins:
-    the run finishes, the joined node reads its share, every row reaches training once an epoch, the model learns
-    and nothing spills."""
+    nodes, never on the head, and gathered where it was read: the nodes are sent less than 80% of what they read,
+    the loss included (a whole-window fetch: 130%). One preprocessing node is lost at the run's first step and
+    another joins: the run finishes, the joined node reads its share, every row reaches training once an epoch, the
+    model learns and nothing spills."""
     data = tmp_path / "data"
     write_split(data / "cifar10" / "train", 3000, 12, seed=1)
     write_split(data / "cifar10" / "test", 256, 2, seed=2)
@@ -398,8 +398,8 @@ def test_a_streamed_split_is_read_where_it_is_gathered_and_survives_a_lost_prepr
     assert lost == preprocessing_cluster["cpu_node_1"]  # it read the first window, then was lost
     assert set(shares) == cpu_nodes and shares[joined[:8]] >= 0.1, reads  # never the head; the joined node reads
     total = float(re.match(r"([\d,.]+) MiB read", read).group(1).replace(",", ""))
-    # gathered where read: with each task fetching the whole window, as before issue 66, two nodes would each fetch
-    # the other's half, every epoch (as much as was read); the lost node's pieces, rebuilt elsewhere, count here
-    assert sum(float(mib.replace(",", "")) for mib in re.findall(r"\w{8} ([\d,.]+) MiB", fetched)) <= 0.5 * total, reads
+    # gathered where read: with each task fetching its whole window, as before issue 66, the nodes were sent 23.2 MiB
+    # of the 18 read (tried once, 2026-11-29); gathered where read, 7.9, most of it the lost node's share, rebuilt
+    assert sum(float(mib.replace(",", "")) for mib in re.findall(r"\w{8} ([\d,.]+) MiB", fetched)) <= 0.8 * total, reads
     memory = subprocess.run(["ray", "memory", "--stats-only", "--address", address], capture_output=True, text=True)
     assert memory.returncode == 0 and "Spilled" not in memory.stdout, memory.stdout
