@@ -192,7 +192,10 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         (["train.checkpoint_every=10 hours"], r"train.checkpoint_every must be a number of steps .* got '10 hours'"),
         (["train.checkpoint_every=0"], r"train.checkpoint_every must be .* more than 0"),
         (["train.checkpoint_every=2.5"], r"train.checkpoint_every must be a number of steps"),
-        (["train.checkpoint_every=500"], r"train.checkpoint_every='500' keeps .* Set train.num_to_keep"),
+        (
+            ["train.num_to_keep=null"],
+            r"train.checkpoint_every='10 min' keeps .* Set train.num_to_keep .* or train.checkpoint_every=null",
+        ),
         (["train.stop_grace_s=-1"], r"train.stop_grace_s must be >= 0"),
     ],
 )

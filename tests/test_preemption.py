@@ -6,7 +6,9 @@ on the same or another number of workers. (``ray job stop`` with Ray's defaults,
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from mlflow import MlflowClient
 from test_pipeline import cli_env
 
 from pipeline.common.errors import PipelineError
-from pipeline.config import TransformSpec
+from pipeline.config import TrainConfig, TransformSpec
 from pipeline.data.pieces import ROW, row_numbers, trained
 from pipeline.data.steps import Steps
 from pipeline.training import checkpoint
@@ -274,6 +276,54 @@ def test_a_streamed_run_restarts_after_a_kill_and_resumes_on_another_worker_coun
     assert all("epoch_step" not in report for report in reports) and {r["epoch"] for r in reports} <= {0, 1}
 
 
+@pytest.mark.slow  # runs the command, which starts Ray
+def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_checkpoint_with_every_step_logged(
+    tmp_path, ledger_data
+):
+    """A machine's shutdown as Ray's processes see it: SIGTERM to the command's whole process group (the driver,
+    Ray's head processes), SIGKILL 3 s later; no checkpoint on the notice comes, Ray's raylet being gone. The run is
+    not left RUNNING; resumed, it repeats at most ``train.checkpoint_every``'s steps (10 here, standing in for the
+    default's 10 minutes; ``train.num_to_keep`` at its default), each row of every epoch once, and every logged step
+    loss is in MLflow: those still on their way to the driver when it died come from the checkpoints' reports."""
+    every, per_epoch = 10, TRAIN_ROWS // BATCH
+    run = ["scaling.num_workers=1", "train.epochs=3", "model.delay_s=0.1", f"train.checkpoint_every={every}"]
+    (tmp_path / "ledger").mkdir()
+    env = {**cli_env(ledger_data), "PYTHONPATH": str(TESTS)}
+    process = subprocess.Popen(
+        command(tmp_path, ledger_data, *run, "tracking.run_name=shutdown"),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a login session or a Slurm job step has
+    )
+    (first,) = workers(tmp_path)
+    wait_for_step(tmp_path, first["pid"], per_epoch + per_epoch // 2)
+    os.killpg(process.pid, signal.SIGTERM)
+    time.sleep(3)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=120)
+    psutil.wait_procs([psutil.Process(first["pid"])], timeout=60)  # a Ray worker leaves the group: it ends with Ray
+    client, stopped = the_run(tmp_path)
+    assert stopped.info.status == "KILLED"
+    trained = forwards(tmp_path / "ledger" / f"{first['pid']}.log")  # one worker: a forward a global step
+
+    finish(start(tmp_path, ledger_data, *run, "tracking.run_name=shutdown", "train.resume=true"))
+    client, resumed = the_run(tmp_path)
+    assert resumed.info.status == "FINISHED"
+    ((_, restored),) = history(client, resumed, "restored_at_step")
+    assert 0 <= trained - restored <= every, (trained, restored)
+    epoch, step = divmod(int(restored), per_epoch)
+    last = workers(tmp_path, 2)[1]["pid"]
+    assert_each_row_once(
+        epochs_of(first["pid"], tmp_path, keep_last=step), epochs_of(last, tmp_path, first=epoch), epochs=3
+    )
+    logged = {step for step, _ in history(client, resumed, "train_loss_step")}
+    assert logged == set(range(5, 3 * per_epoch + 1, 5))  # none missing
+
+
 def test_the_ledger_counts_rows_over_workers_and_packs_those_trained_on_as_bits():
     """Rows are numbered by row group in file order; the bits a checkpoint keeps are the rows counted, and a
     resumed epoch's ledger starts with them, counted once (on rank 0)."""
@@ -319,7 +369,7 @@ def test_a_checkpoint_within_an_epoch_stands_after_the_epoch_before_and_before_i
     ]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "checkpoint.pt").write_bytes(b"x")
-        checkpoint.write_report(str(tmp_path / name), report, {"checkpoint.pt": 1})
+        checkpoint.write_report(str(tmp_path / name), report, {"checkpoint.pt": 1}, [])
     assert [Path(path).name for path, _ in checkpoint.reports(pafs.LocalFileSystem(), str(tmp_path))] == ["a", "c", "b"]
     assert Path(checkpoint.newest(pafs.LocalFileSystem(), str(tmp_path))).name == "b"
     assert checkpoint.place({"epoch": 1}) > checkpoint.place({"epoch": 1, "epoch_step": 10**9})
@@ -377,3 +427,10 @@ def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes
     assert time.monotonic() - started < 10  # heard at once, not at the end of the grace
     for actor in (silent, notice):
         ray.kill(actor)
+
+    # the notice gone is a notice too: it lives with the driver, so the driver's process or node is going
+    gone = preemption.Notice.remote()
+    due = preemption.Due(TrainConfig(checkpoint_every=None), gone)
+    assert not due.stopping.wait(0.5)
+    ray.kill(gone)
+    assert due.stopping.wait(30) and due.notice is None  # stopping, and no answer awaited from it

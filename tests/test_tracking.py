@@ -21,7 +21,7 @@ def write_checkpoint(state: dict, directory, metrics: dict) -> None:
     from pipeline.training import checkpoint
 
     checkpoint.write_state(state, str(directory))
-    checkpoint.write_report(str(directory), metrics, checkpoint.files(str(directory)))
+    checkpoint.write_report(str(directory), metrics, checkpoint.files(str(directory)), [])
 
 
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):

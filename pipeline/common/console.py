@@ -96,9 +96,10 @@ class Progress:
     def restored(self, epoch: int, workers: int, step: int = 0) -> None:
         self.close()  # the interrupted epoch goes on from the checkpoint's step
         where = f"epoch {epoch + 1}/{self.epochs}" + (f" after its step {step}" if step else "")
-        tqdm.write(
-            f"restored from the latest checkpoint: continuing at {where} on {workers} worker{'s' * (workers > 1)}"
-        )
+        going_on = f"continuing at {where} on {workers} worker{'s' * (workers > 1)}"
+        if epoch >= self.epochs:  # the checkpoint holds the last epoch
+            going_on = f"it holds all {self.epochs} epochs, nothing is left to train"
+        tqdm.write(f"restored from the latest checkpoint: {going_on}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -283,9 +283,10 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
         raise PipelineError(str(err)) from None
     _require(
         train.checkpoint_every is None or train.num_to_keep is not None,
-        f"train.checkpoint_every={train.checkpoint_every!r} keeps a checkpoint every few steps and "
-        "train.num_to_keep=null keeps them all, so the run's storage grows without end. Set train.num_to_keep (2 "
-        "keeps the latest two; with train.checkpoint_metric, the best epochs' and the latest).",
+        f"train.checkpoint_every={train.checkpoint_every!r} keeps a checkpoint every few steps or minutes and "
+        "train.num_to_keep=null keeps them all, so the run's storage grows without end. Set train.num_to_keep (2, "
+        "the default, keeps the latest two; with train.checkpoint_metric, the best epochs' and the latest), or "
+        "train.checkpoint_every=null as well to keep every epoch's checkpoint and none within an epoch.",
     )
     _require(train.stop_grace_s >= 0, f"train.stop_grace_s must be >= 0, got {train.stop_grace_s}.")
     scale = finetune.backbone_lr_scale

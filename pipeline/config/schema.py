@@ -126,7 +126,8 @@ class TrainConfig:
     seed: int = 0
     amp: bool = False  # autocast on GPU workers; ignored on CPU
     amp_dtype: AmpDtype = AmpDtype.bfloat16  # or float16 (which adds a GradScaler)
-    num_to_keep: Optional[int] = None  # best checkpoints kept (the latest is always kept too); null keeps all
+    # best checkpoints kept (the latest is always kept too); null keeps all, which needs checkpoint_every=null
+    num_to_keep: Optional[int] = 2
     checkpoint_metric: Optional[str] = None  # what "best" means, e.g. val_accuracy; null: the most recent
     evaluate: bool = False  # then stage=evaluate with the run's best model, in a run nested under it
     checkpoint_mode: Optional[CheckpointMode] = None  # max or min of checkpoint_metric; null: min for losses, errors
@@ -149,9 +150,10 @@ class TrainConfig:
     # async: the next epoch starts while Ray Train uploads the checkpoint to storage.path (Ray's
     # checkpoint_upload_mode); sync: training waits for each upload
     checkpoint_upload: CheckpointUpload = CheckpointUpload["async"]
-    # a checkpoint within the epoch as well, at an optimizer step: every "500 steps" (or 500) or "10 min" of
-    # training; a resumed run continues from the step it reached, each of the epoch's other rows once; null: off
-    checkpoint_every: Optional[str] = None
+    # a checkpoint within the epoch as well, at an optimizer step: every "10 min" of training, or "500 steps" (or
+    # 500): a machine lost without notice costs at most that; a resumed run continues from the step it reached, each
+    # of the epoch's other rows once; null: off (docs/troubleshooting.md, "A stopped run continues from its step")
+    checkpoint_every: Optional[str] = "10 min"
     # on SIGTERM or Ctrl-C (ray job stop, a spot notice), the workers checkpoint at the step they are on before
     # the command ends; the driver records the stop, then waits at most stop_grace_s for it (ray job stop allows
     # 3 s: RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")

@@ -245,7 +245,7 @@ class JobEvents:
             self.tracker.epochs.log_startup(startup.seconds(self.job.started_at), event.epoch)
             log.info("%s", startup.line(self.job.started_at))
         if event.log:
-            self.tracker.epochs.log_step_loss(event.loss, event.global_step)
+            self.tracker.epochs.log_step_loss(event.loss, event.global_step, event.at)
         self.progress.update(event.epoch, event.step, event.loss)
 
     def worker_started(self, event: WorkerStarted) -> None:

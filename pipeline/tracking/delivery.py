@@ -30,14 +30,16 @@ from pipeline.tracking import models
 from pipeline.tracking.mlflow_store import end_run
 
 
-def metrics_record(metrics: dict, step: int, model: dict | None = None, datasets: dict | None = None) -> dict:
-    """A ``metrics`` record of ``metrics`` (name -> number) at ``step``, taken now."""
+def metrics_record(
+    metrics: dict, step: int, model: dict | None = None, datasets: dict | None = None, at: float | None = None
+) -> dict:
+    """A ``metrics`` record of ``metrics`` (name -> number) at ``step``, taken at ``at`` (seconds; None: now)."""
     values = {key: float(value) for key, value in metrics.items()}
     return {
         "kind": "metrics",
         "metrics": values,
         "step": step,
-        "timestamp": int(time.time() * 1000),
+        "timestamp": int((time.time() if at is None else at) * 1000),
         "model": model,
         "datasets": datasets or {},
     }

@@ -58,6 +58,7 @@ class EpochLog:
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         self._startup_logged = False
         self.step_checkpoints: set[int] = set()  # global steps of the checkpoints within epochs logged
+        self.steps_logged: set[int] = set()  # global steps whose train_loss_step this driver logged
 
     def expect_rows(self, rows: dict[str, int], drop_last: bool) -> None:
         """The rows each split holds: an epoch that delivers fewer logs ``skipped_rows``."""
@@ -114,6 +115,11 @@ class EpochLog:
             return []
         logged = []
         for path, metrics in checkpoint.reports(storage.filesystem, f"{storage.path}/{storage.name}"):
+            for global_step, loss, at in metrics.pop(checkpoint.STEPS_KEY, []):
+                if global_step not in self.steps_logged:  # lost on their way: in the queue when the workers died
+                    self.log_step_loss(loss, global_step, at)
+            if STEP_KEY in metrics:
+                self.log_step_checkpoint(metrics["global_step"])
             finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))  # NaN failed the run
             within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
             if metrics["epoch"] not in self.logged and finite and not within:
@@ -124,9 +130,11 @@ class EpochLog:
                 logged.append((path, metrics))
         return logged
 
-    def log_step_loss(self, loss: float, global_step: int) -> None:
-        """A training batch's loss between epochs, so the UI's chart has a point per N steps."""
-        self.record.write(metrics_record({STEP_LOSS_METRIC: loss}, global_step))
+    def log_step_loss(self, loss: float, global_step: int, at: float) -> None:
+        """A training batch's loss between epochs, so the UI's chart has a point per N steps; stamped with the time
+        the step ended, so that the same step logged again from a checkpoint's report is the same record."""
+        self.steps_logged.add(global_step)
+        self.record.write(metrics_record({STEP_LOSS_METRIC: loss}, global_step, at=at))
 
     def log_restore(self, epoch: int, global_step: int) -> None:
         """Count a restore from a checkpoint (a restarted worker group or a resumed run) at ``epoch``, continuing

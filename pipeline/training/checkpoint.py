@@ -36,6 +36,7 @@ SIZE_KEY = "checkpoint_bytes"  # in the report of a checkpoint written before FI
 FILES_KEY = "checkpoint_files"  # in the report: every file of the checkpoint (all ranks'), and its size when whole
 SHARDED_KEY = "sharded"  # in a sharded checkpoint's state: the DCP directories that hold its model and optimizer
 SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
+STEPS_KEY = "logged_steps"  # in the report: rank 0's train_loss_step records of its epoch, [global step, loss, time]
 POSITION_FILE = "position.pt"  # beside it: the epoch's rows trained on (packed bits) and its figures so far
 
 
@@ -54,12 +55,13 @@ def files(directory: str) -> dict[str, int]:
     return found
 
 
-def write_report(directory: str, metrics: dict, written: dict[str, int]) -> None:
-    """The epoch's ``metrics`` beside its checkpoint, with every file ``written`` to it (by any rank): the record of
-    an epoch whose report never reached the driver (a signal or a crash between the two) survives with its
-    checkpoint, and a checkpoint whose copy was cut short is known by a file's size."""
+def write_report(directory: str, metrics: dict, written: dict[str, int], steps: list[tuple]) -> None:
+    """The epoch's ``metrics`` beside its checkpoint, with every file ``written`` to it (by any rank) and the epoch's
+    logged ``steps``: the record of an epoch whose report never reached the driver (a signal or a crash between the
+    two) survives with its checkpoint, so do the step losses still on their way when the workers died, and a
+    checkpoint whose copy was cut short is known by a file's size."""
     with open(os.path.join(directory, REPORT_FILE), "w") as out:
-        json.dump({**metrics, FILES_KEY: written}, out)
+        json.dump({**metrics, FILES_KEY: written, STEPS_KEY: steps}, out)
 
 
 def read_report(filesystem: pafs.FileSystem, path: str) -> dict:

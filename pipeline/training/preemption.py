@@ -90,8 +90,14 @@ class Due:
             self.group = dist.new_group(backend="gloo")  # a CPU group: the agreement never syncs a GPU
 
     def watch(self) -> None:
-        if ray.get(self.notice.stopped.remote()):
-            self.stopping.set()
+        """Waits for the driver's notice; the notice gone is one too: it lives with the driver, so the driver's
+        process or node is going (a machine's shutdown SIGTERMs Ray's processes with the driver's)."""
+        try:
+            ray.get(self.notice.stopped.remote())
+        except ray.exceptions.RayActorError:
+            log.warning("the driver's stop notice is gone with the driver: checkpointing at this step")
+            self.notice = None
+        self.stopping.set()
 
     def check(self, updates: int) -> tuple[bool, bool]:
         """After optimizer step ``updates`` of the run: (a checkpoint is due, the command is stopping)."""

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -110,7 +110,6 @@ def train_loop_per_worker(config: dict) -> None:
         due=preemption.Due(cfg.train, job.notice),
         replica=replica,
         stopper=stopper,
-        notice=job.notice,
         cfg=cfg,
         rank=rank,
     )
@@ -153,7 +152,8 @@ def train_loop_per_worker(config: dict) -> None:
             **({"stopped_early": stopped} if stopped else {}),
         }
         before = time.perf_counter()
-        report(metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload)
+        steps_logged = checkpoints.carried(epoch * steps + step)
+        report(metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload, steps=steps_logged)
         stalled = time.perf_counter() - before
         if stopped:
             break
@@ -217,18 +217,12 @@ def train_epoch(
         telemetry.batch_labels(batch[labels])
         log = log_every > 0 and step % log_every == 0
         if progress is not None and (log or time.monotonic() - last_sent >= PROGRESS_INTERVAL_S):
-            # .item() waits for the step: rarely
+            value, at = loss.item(), time.time()  # .item() waits for the step (rarely), as the time after it must
             progress(
-                StepTaken(
-                    epoch=epoch,
-                    step=step,
-                    global_step=global_step,
-                    log=log,
-                    loss=loss.item(),  # waits for the step, as the time after it must
-                    at=time.time(),
-                    phases=phases,
-                )
+                StepTaken(epoch=epoch, step=step, global_step=global_step, log=log, loss=value, at=at, phases=phases)
             )
+            if log:  # kept with the checkpoints too: the driver logs those that never reached it
+                checkpoints.logged.append((global_step, value, at))
             last_sent, phases = time.monotonic(), None
         if update and checkpoints.taken(epoch=epoch, step=step, global_step=global_step, within=(telemetry, ledger)):
             return None  # the command is stopping
@@ -288,13 +282,15 @@ def report(
     rank: int,
     upload: str,
     *,
+    steps: list[tuple[int, float, float]],
     position: tuple[np.ndarray, dict] | None = None,
 ) -> None:
     """``ray.train.report`` (a barrier: every rank calls it once per epoch, and at each checkpoint within it) with
     the checkpoint, written to a local directory that Ray Train uploads to storage and then deletes: with
     ``upload`` async (``train.checkpoint_upload``) in a thread while training goes on. Every rank's files and their
-    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`).
-    ``position``: a checkpoint within the epoch, the rows trained on and the epoch's figures so far."""
+    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`), and
+    so do the epoch's logged ``steps`` (rank 0's). ``position``: a checkpoint within the epoch, the rows trained on
+    and the epoch's figures so far."""
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     replica.save(directory, epoch, stopper, rank)
     if position is not None and rank == 0:
@@ -302,7 +298,7 @@ def report(
     every_rank = parallel.from_every_rank(checkpoint.files(directory))
     written = {name: size for files in every_rank for name, size in files.items()}
     if rank == 0:
-        checkpoint.write_report(directory, metrics, written)
+        checkpoint.write_report(directory, metrics, written, steps)
     saved = None
     if os.listdir(directory):
         saved = ray.train.Checkpoint.from_directory(directory)
@@ -320,9 +316,19 @@ class StepCheckpoints:
     due: preemption.Due
     replica: Replica
     stopper: EarlyStopping | None
-    notice: Any  # the driver's preemption.Notice, or None
     cfg: PipelineConfig
     rank: int
+    logged: list[tuple[int, float, float]] = field(default_factory=list)  # rank 0's train_loss_step records
+    previous: int = -1  # the global step of the checkpoint before
+
+    def carried(self, global_step: int) -> list[tuple[int, float, float]]:
+        """The logged steps (global step, loss, time) a checkpoint at ``global_step`` keeps in its report: those
+        since the checkpoint before the last, for the driver to log any still on their way when the workers died
+        (the last checkpoint's report may be gone, Ray keeping ``train.num_to_keep``)."""
+        carried = list(self.logged)
+        self.logged = [record for record in self.logged if record[0] >= self.previous]
+        self.previous = global_step
+        return carried
 
     @property
     def notice_seen(self) -> threading.Event | None:
@@ -349,11 +355,12 @@ class StepCheckpoints:
             metrics[train.checkpoint_metric] = checkpoint.unscored(train, self.cfg.task)
         upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
         position = ledger.trained(), telemetry.carried()  # collectives: every rank
-        report(metrics, self.replica, epoch, self.stopper, self.rank, upload, position=position)
+        steps = self.carried(global_step)
+        report(metrics, self.replica, epoch, self.stopper, self.rank, upload, steps=steps, position=position)
         self.due.saved()
-        if stopping and self.rank == 0:
+        if stopping and self.rank == 0 and self.due.notice is not None:  # the driver waits for it
             saved = StepCheckpointed(epoch=epoch, step=step, global_step=global_step, checkpoint=None)
-            ray.get(self.notice.checkpointed.remote(saved))
+            ray.get(self.due.notice.checkpointed.remote(saved))
 
 
 def train_batches(
