@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +18,7 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
+import ray
 import ray.train
 import torch
 import torch.distributed as dist
@@ -61,7 +63,7 @@ def train_and_save(rank: int, world: int, cfg, out: str, restore: str | None, st
     rank 0's figures (``out/result.pt``)."""
     join_group(rank, world, out)
     try:
-        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
+        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, start=start)
         traced = []  # whether each block's first layer ran while torch.compile traced the block
         plain = instantiate(cfg.model)  # the blocks' names (FSDP renames their classes)
         found = parallel.blocks(plain, cfg.train.blocks)
@@ -107,9 +109,10 @@ def train_and_save(rank: int, world: int, cfg, out: str, restore: str | None, st
 def spawn(cfg, world: int, out: Path, restore: Path | None = None) -> dict:
     """Train as :func:`train_and_save` says in ``world`` processes; rank 0's figures."""
     out.mkdir(parents=True)
-    start = None  # what the driver hands FSDP's workers (trainer.build_trainer)
+    start = None  # what the driver saves for FSDP's workers (trainer.save_start)
     if cfg.scaling.strategy == "fsdp":
-        start = finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed)
+        start = str(out.parent / f"{out.name}-start")
+        parallel.save_start(finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed).state, start)
     args = (world, cfg, str(out), restore and str(restore), start)
     mp.spawn(train_and_save, args=args, nprocs=world)
     return torch.load(out / "result.pt", weights_only=True)
@@ -142,19 +145,12 @@ class AnonymousPeak(threading.Thread):
 
 def growth(rank: int, world: int, cfg, start_dir: str | None, out: str) -> None:
     """In a process of a gloo group of ``world``: how far the process's own memory peaked above where it was while it
-    built its Replica (FSDP: its shards of the weights in ``start_dir``, memory-mapped as Ray's object store hands them
-    to a worker), and through one optimizer step (the gradients and AdamW's moments); into ``out/rank<R>.json``."""
-    import numpy as np
-
+    built its Replica (FSDP: its shards of the weights the driver saved in ``start_dir``), and through one optimizer
+    step (the gradients and AdamW's moments); into ``out/rank<R>.json``."""
     join_group(rank, world, out)
     try:
-        start = None
-        if start_dir is not None:
-            names = json.loads(Path(start_dir, "names.json").read_text())
-            state = {name: np.load(Path(start_dir, f"{i}.npy"), mmap_mode="r") for i, name in enumerate(names)}
-            start = finetune.Initial(state, [], "test")
         memory = AnonymousPeak()
-        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, initial=start)
+        replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, start=start_dir)
         built = memory.grown()
         features, labels = batch(cfg, rank, 0)
         replica.backward(replica.task.loss(replica.model(replica.scale(features)), labels), 1, update=True)
@@ -168,21 +164,14 @@ def growth(rank: int, world: int, cfg, start_dir: str | None, out: str) -> None:
 @pytest.mark.slow  # two pairs of processes training a 101 M-parameter model: about 40 s
 def test_fsdp_workers_never_hold_the_whole_model_and_peak_at_half_a_ddp_workers_memory(tmp_path):
     """A 101 M-parameter MLP (404 MB) on 2 workers: an FSDP worker's resident memory grows by less than the model
-    while it builds (it is made on the meta device; each worker copies only its shards of the driver's weights),
+    while it builds (it is made on the meta device; each worker reads only its shards of the driver's weights),
     and by at most 0.6x a DDP worker's through a training step (half the weights, gradients and AdamW moments)."""
-    import numpy as np
-
     widths = "[" + ",".join(["4096"] * 7) + ",3]"
     cfg = compose_cfg([*MLP, f"model.hidden_channels={widths}", "scaling.strategy=fsdp"])
     whole = full_bytes(cfg)
     assert whole > 400e6
-    start = finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed)  # the driver's, as Ray hands it on
-    start_dir = tmp_path / "start"
-    start_dir.mkdir()
-    (start_dir / "names.json").write_text(json.dumps(list(start.state)))
-    for i, array in enumerate(start.state.values()):
-        np.save(start_dir / f"{i}.npy", array)
-    del start
+    start_dir = tmp_path / "start"  # the driver's, as it saves it to the run's storage
+    parallel.save_start(finetune.whole_start(cfg.model, cfg.finetune, None, cfg.train.seed).state, str(start_dir))
     figures = {}
     for strategy, weights in (("fsdp", str(start_dir)), ("ddp", None)):
         out = tmp_path / strategy
@@ -396,11 +385,38 @@ def test_a_compiled_fsdp_vit_logs_a_model_mlflow_loads_alone_and_a_fine_tune_sta
     )
 
 
+class LargestObject(threading.Thread):
+    """The largest object in Ray's object store, as ``ray memory`` lists every object reference and its size,
+    sampled until stopped (a call takes about 1.5 s)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.largest, self.samples, self.running = 0.0, 0, True
+        self.address = ray.get_runtime_context().gcs_address
+        self.start()
+
+    def run(self) -> None:
+        while self.running:
+            listed = subprocess.run(
+                ["ray", "memory", "--address", self.address, "--units", "B"], capture_output=True, text=True, check=True
+            ).stdout
+            columns = [line.split("|") for line in listed.splitlines() if line.count("|") == 8]
+            sizes = [float(row[6].split()[0]) for row in columns if row[6].strip().endswith(" B")]
+            self.largest = max([self.largest, *sizes])
+            self.samples += 1
+
+
 @pytest.mark.slow
 def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_root, ray_runtime, monkeypatch):
-    """A worker SIGKILLed during epoch 2 fails the 2-worker FSDP run; resumed on 1 worker it continues from epoch
-    1's sharded checkpoint (DCP reshards it) and finishes, each epoch in MLflow once."""
+    """A worker SIGKILLed during epoch 2 fails the 2-worker FSDP run of a ViT of 1.6 M parameters; resumed on 1
+    worker it continues from epoch 1's sharded checkpoint (DCP reshards it) and finishes, each epoch in MLflow once.
+    Throughout, no object in Ray's object store is as large as the model's weights: the driver saves the starting
+    weights to the run's storage, where each worker reads its shards."""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    wide = ["model.num_layers=2", "model.hidden_dim=256", "model.mlp_dim=1024"]
+    weights = full_bytes(compose_cfg([*VIT, *wide]))
+    assert weights > 6e6
+    store = LargestObject()
 
     killed = []
 
@@ -412,7 +428,7 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
         worker.wait(timeout=10)  # gone: not the process of another run
         killed.append(worker.pid)
 
-    run = [*TINY, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
+    run = [*wide, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
     with pytest.raises(PipelineError, match="training failed"):
@@ -426,3 +442,6 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
     assert_each_epoch_once(client, run_info.info.run_id, 3)
     restores = client.get_metric_history(run_info.info.run_id, "restores")
     assert [r.step for r in restores] == [saved], (restores, saved)  # continued after the last epoch saved
+    store.running = False
+    store.join()
+    assert store.samples > 5 and 0 < store.largest < weights / 2, (store.largest, weights)

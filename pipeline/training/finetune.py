@@ -148,12 +148,11 @@ def matched(own: dict[str, torch.Tensor], state: dict, head: set[str], weights: 
 def whole_start(model_cfg: dict, finetune: FinetuneConfig, initial: Initial | None, seed: int) -> Initial:
     """Every tensor the model starts from (parameters and buffers, persistent or not), built here once with
     ``seed``, as a worker builds its replica, from ``initial``'s weights where given: what FSDP's workers, which
-    build on the meta device, each take their shards of. As numpy arrays: Ray's object store hands them to every
-    worker of a node without a copy, and a worker reads only its shards' pages."""
+    build on the meta device, each take their shards of (:func:`pipeline.training.parallel.save_start`)."""
     torch.manual_seed(seed)
     model = build_model(model_cfg, finetune, initial)
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    state = {name: tensor.detach().numpy() for name, tensor in tensors.items()}
+    state = {name: tensor.detach() for name, tensor in tensors.items()}
     return Initial(state, [], initial.source if initial is not None else f"random weights (train.seed={seed})")
 
 

@@ -5,8 +5,9 @@ blocks (their forward wrapped, so compile traces the recomputed region), ``torch
 (``Module.compile``: the state dict's keys stay the plain module's, without ``_orig_mod.``), then DDP (a whole
 replica per worker) or FSDP2 (``fully_shard`` per block, then the root: each worker holds 1/N of the parameters,
 gradients and optimizer state), so FSDP's hooks stay outside the compiled blocks. An FSDP model is built on the
-meta device and sharded there; each worker then materializes only its shards, copied from the starting weights the
-driver built once (:func:`pipeline.training.finetune.whole_start`): no worker ever holds the whole model.
+meta device and sharded there; each worker then materializes only its shards, read from the starting weights the
+driver built once (:func:`pipeline.training.finetune.whole_start`) and saved as DCP in the run's storage
+(:func:`save_start`): no worker, and nothing in Ray's object store, ever holds the whole model.
 
 A sharded model's checkpoint is ``torch.distributed.checkpoint`` (DCP) directories, ``model/`` and
 ``optimizer/``, each rank writing its own shards; DCP reads them back on any worker count.
@@ -27,7 +28,7 @@ from hydra.utils import instantiate
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -91,11 +92,11 @@ def parallelize(
     train: TrainConfig,
     scaling: ScalingConfig,
     device: torch.device,
-    start: dict | None = None,
+    start: str | None = None,
 ):
     """The model on ``device``, ready to train on this worker group: activation checkpointing, compiled, then DDP
-    or FSDP2, as ``train`` and ``scaling`` say. With FSDP, ``model`` is on the meta device and ``start`` holds every
-    tensor it starts from (:func:`pipeline.training.finetune.whole_start`), of which this worker copies its shards;
+    or FSDP2, as ``train`` and ``scaling`` say. With FSDP, ``model`` is on the meta device and ``start`` is the local
+    directory of every tensor it starts from (:func:`save_start`), of which this worker reads its shards;
     with ``train.amp`` on a GPU, FSDP's policy casts the parameters to ``train.amp_dtype`` and reduces gradients in
     float32 (no autocast is needed then)."""
     units = blocks(model, train.blocks)
@@ -120,19 +121,28 @@ def parallelize(
     return model
 
 
-def take_shards(model: torch.nn.Module, start: dict) -> None:
-    """This worker's shards of every parameter (and every buffer whole) copied from ``start``, name by name: a
-    sharded one is cut from a view of the whole tensor, so only its own part is read (one tensor at a time moves
-    to the device whole on the way, on a GPU)."""
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # read here, never written
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            whole = torch.as_tensor(start[name])
-            if isinstance(tensor, DTensor):
-                mine = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
-                tensor.to_local().copy_(mine.to_local())
-            else:
-                tensor.copy_(whole)
+def save_start(state: dict[str, torch.Tensor], directory: str) -> None:
+    """On the driver: every tensor an FSDP model starts from (parameters and buffers, persistent or not), as DCP in
+    ``directory``, from which each worker reads its shards (:func:`take_shards`)."""
+    with one_process():
+        dcp.save(state, checkpoint_id=directory, no_dist=True)
+
+
+def take_shards(model: torch.nn.Module, start: str) -> None:
+    """This worker's shards of every parameter (and every buffer whole) read in place from the DCP directory
+    ``start`` (:func:`save_start`): DCP reads each saved tensor and keeps this worker's part, one tensor at a time."""
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    with one_process():
+        dcp.load(tensors, checkpoint_id=start, no_dist=world_size() == 1)
+
+
+@contextlib.contextmanager
+def one_process():
+    """DCP's warning that it saves or loads in one process left out where that is the intent (the driver, one
+    worker)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def recompute_in_backward(block: torch.nn.Module) -> None:

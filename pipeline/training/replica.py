@@ -50,16 +50,17 @@ class Replica:
         total_steps: int,
         statistics: dict | None,
         initial: Initial | None = None,
+        start: str | None = None,
     ) -> Replica:
         """The configured model (from ``initial``'s weights when given), loss, optimizer and schedule, seeded
-        with ``train.seed`` (every rank alike). With FSDP the model is built on the meta device and ``initial``
-        holds every tensor it starts from (:func:`pipeline.training.finetune.whole_start`): each rank takes its
-        shards of them."""
+        with ``train.seed`` (every rank alike). With FSDP the model is built on the meta device and ``start`` is a
+        local directory of every tensor it starts from (:func:`pipeline.training.parallel.save_start`): each rank
+        reads its shards of them."""
         torch.manual_seed(cfg.train.seed)
         if cfg.scaling.strategy == Strategy.fsdp:
             with torch.device("meta"):  # the structure only: no rank ever holds the whole model
                 bare = finetune.build_model(cfg.model, cfg.finetune, None)
-            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device, start=initial.state)
+            model = parallel.parallelize(bare, cfg.train, cfg.scaling, device, start=start)
         else:
             bare = finetune.build_model(cfg.model, cfg.finetune, initial)  # random weights, or the given ones
             model = parallel.parallelize(bare, cfg.train, cfg.scaling, device)

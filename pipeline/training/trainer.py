@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import atexit
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 import ray.data
 import ray.train
+import torch
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.queue import Queue
@@ -29,7 +32,7 @@ from pipeline.config import PipelineConfig, ScalingConfig, Strategy
 from pipeline.data.preprocess import TrainingData
 from pipeline.runtime.cluster import on_this_node
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import checkpoint, finetune, preemption
+from pipeline.training import checkpoint, finetune, parallel, preemption
 from pipeline.training.entry import train_loop_per_worker
 from pipeline.training.finetune import Initial
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
@@ -74,11 +77,14 @@ def build_trainer(
     """A TorchTrainer for the typed config; workers send their events to ``events`` and answer ``notice`` (a stop
     with notice: :mod:`pipeline.training.preemption`); ``callbacks``
     run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
-    (the weights training starts from) goes to Ray's object store once, for every worker: with FSDP, every
-    tensor of the model, built here (the workers build theirs on the meta device and take their shards)."""
+    (the weights training starts from) goes to Ray's object store once, for every worker. With FSDP, every
+    tensor of the model is built here instead and saved to the run's storage (:func:`save_start`): the workers
+    build theirs on the meta device and each reads its shards."""
     scaling_config, torch_config = trainer_settings(cfg.scaling)
+    start = None
     if cfg.scaling.strategy == Strategy.fsdp:
-        initial = finetune.whole_start(cfg.model, cfg.finetune, initial, cfg.train.seed)
+        start = save_start(finetune.whole_start(cfg.model, cfg.finetune, initial, cfg.train.seed).state, storage)
+        initial = None
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -90,6 +96,7 @@ def build_trainer(
                     statistics=data.statistics,
                     train_rows=data.rows["train"],
                     initial=ray.put(initial) if initial is not None else None,
+                    start=start,
                     storage=storage,
                     on_device=data.on_device,
                     indexed=data.indexed,
@@ -114,6 +121,17 @@ def build_trainer(
             callbacks=[ReportRelay(events), *callbacks],
         ),
     )
+
+
+def save_start(state: dict[str, torch.Tensor], storage: RunStorage) -> str:
+    """An FSDP run's starting weights saved as DCP in the run's storage (``start/``), where every worker reads
+    its shards: not whole in Ray's object store, nor in each node's. Its path there."""
+    target = f"{storage.path}/{storage.name}/start"
+    with tempfile.TemporaryDirectory() as local:
+        parallel.save_start(state, local)
+        storage.filesystem.create_dir(target)
+        pafs.copy_files(local, target, destination_filesystem=storage.filesystem)
+    return target
 
 
 def epoch_steps(cfg: PipelineConfig, data: TrainingData) -> int:

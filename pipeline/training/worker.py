@@ -11,6 +11,7 @@ on a stop with notice (:class:`StepCheckpoints`). Where a restarted or resumed w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -57,6 +58,7 @@ class WorkerJob:
     statistics: dict | None  # the features' mean and std, with ingest.standardize
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
+    start: str | None  # FSDP: where every tensor the model starts from is, as DCP in the run's storage
     storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
     on_device: dict[str, dict[str, TransformSpec]]  # split -> the steps this worker runs on its device (feed.py)
     indexed: dict[str, list[ray.ObjectRef]]  # split -> its cache's pieces, where this worker gathers its rows (feed.py)
@@ -94,7 +96,9 @@ def train_loop_per_worker(config: dict) -> None:
     first = train_batches(feeds["train"], cfg, start, coordinator, **shard, trained=trained) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
-    replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial)
+    sharded = ray.train.Checkpoint(job.start, filesystem=job.storage.filesystem) if job.start else None
+    with sharded.as_directory() if sharded else contextlib.nullcontext() as start_dir:  # in place on a local path
+        replica = Replica.build(cfg, device, planned_updates(cfg, job.train_rows), job.statistics, initial, start_dir)
     stopper = EarlyStopping.of(cfg)  # train.early_stop, or None
     if restore is not None:
         state = replica.restore(restore.checkpoint, device)
