@@ -276,7 +276,10 @@ def wait_for_workers(run_dir: Path, reached, timeout_s: float = 240.0) -> list[i
 def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_path, cluster):
     """scaling.num_workers=[1, 2], each worker taking an ``elastic_slot``: the run starts with the GPU node's
     one, grows to two workers when a third node joins, and shrinks back when that node leaves, each time
-    from the latest checkpoint; every epoch logged once, with the worker count it ran on."""
+    from the latest checkpoint; every epoch logged once, with the worker count it ran on. Before it leaves, the
+    node is drained as a spot reclaim's notice drains it (``ray drain-node``, reason preemption): the workers
+    checkpoint at the step they are on, the run's only checkpoint within an epoch (``train.checkpoint_every=null``
+    here)."""
     command = subprocess.Popen(
         [
             sys.executable,
@@ -287,8 +290,11 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
             "scaling.elastic_resize_monitor_interval_s=1",
             "+scaling.resources_per_worker.elastic_slot=1",
             "train.max_failures=2",  # the node that leaves takes a worker with it: a failure to Ray Train
-            # enough for the grow, which a node starting on a busy machine can hold up for 10 epochs and more
-            "train.epochs=24",
+            "train.checkpoint_every=null",  # no checkpoint within an epoch but the drain's
+            "train.num_to_keep=null",  # each kept
+            # enough for the grow, which a node starting on a busy machine can hold up for 10 epochs and more, and
+            # for the drain to be seen (Ray Train's watcher polls every 5 s, the workers ask it every 5 s)
+            "train.epochs=80",
             "tracking.log_model=false",
             f"ray.address={cluster['address']}",
             f"storage.path={tmp_path / 'storage'}",
@@ -301,18 +307,28 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
         stderr=subprocess.STDOUT,
         text=True,
     )
+    said = Output(command)
     try:
         wait_for_workers(tmp_path / "run", lambda sizes: sizes[-1:] == [1])
         added = node_command(cluster, "add")["added"]
         wait_for_workers(tmp_path / "run", lambda sizes: sizes[-1:] == [2])
+        drain = ["ray", "drain-node", "--address", cluster["address"], "--node-id", added]
+        reason = ["--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim"]
+        subprocess.run([*drain, *reason, "--deadline-remaining-seconds", "300"], check=True, capture_output=True)
+        deadline = time.monotonic() + 120
+        while not (drained := drain_checkpoints(tmp_path / "storage", added)):
+            assert time.monotonic() < deadline, said.text[-3000:]
+            time.sleep(0.2)
         node_command(cluster, "remove")
-        output, _ = command.communicate(timeout=300)
+        command.wait(timeout=300)
+        said.join(timeout=10)
+        output = said.text
     finally:
         command.kill()
     assert command.returncode == 0 and "Traceback" not in output, output[-3000:]
     sizes = workers_per_epoch(tmp_path / "run")
     phases = [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
-    assert len(sizes) == 24 and phases == [1, 2, 1], sizes
+    assert len(sizes) == 80 and phases == [1, 2, 1], sizes
     assert "on 2 workers" in output and "on 1 worker\n" in output  # the console says each resize
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
@@ -322,9 +338,17 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
         m.value for m in sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
     ] == sizes
     assert len(client.get_metric_history(run.info.run_id, "restores")) == 2  # grown, then shrunk
-    assert_each_epoch_once(client, run.info.run_id, 24)
+    within = [json.loads(path.read_text()) for path in (tmp_path / "storage").glob("*/checkpoint_*/report.json")]
+    assert [r for r in within if "epoch_step" in r] == drained  # the only checkpoint within an epoch: the drain's
+    assert_each_epoch_once(client, run.info.run_id, 80)
     ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"], added}  # only the nodes with an elastic_slot
+
+
+def drain_checkpoints(storage: Path, node: str) -> list[dict]:
+    """The reports of the checkpoints within an epoch in ``storage`` taken because ``node`` was draining."""
+    reports = [json.loads(path.read_text()) for path in storage.glob("*/checkpoint_*/report.json")]
+    return [report for report in reports if f"node(s) {node} draining" in report.get("why", "")]
 
 
 class Output(threading.Thread):

@@ -266,6 +266,7 @@ class JobEvents:
 
     def step_checkpointed(self, event: StepCheckpointed) -> None:
         self.tracker.epochs.log_step_checkpoint(event.global_step)
+        log.info("checkpointed at epoch %d, step %d: %s", event.epoch + 1, event.step, event.why)
 
     def stopping(self, error: BaseException) -> None:
         """How to continue said, and the stop recorded, while the workers save: ray job stop's SIGKILL may come

@@ -56,6 +56,7 @@ class StepCheckpointed:
     step: int  # within the epoch
     global_step: int
     checkpoint: str | None
+    why: str = ""  # what it was taken for: train.checkpoint_every, a node draining, the command stopping
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
-"""Checkpoints within an epoch: when one is due in the workers (every ``train.checkpoint_every``, or at once on a
-stop with notice), every rank agreeing on the step; and, on the driver, a stop with notice (SIGTERM, Ctrl-C,
-``ray job stop``, a spot notice) passed to the workers, waited on for at most ``train.stop_grace_s``.
+"""Checkpoints within an epoch: when one is due in the workers (every ``train.checkpoint_every``, at once on a
+stop with notice, or when Ray drains a node of the worker group: a spot node's notice), every rank agreeing on the
+step; and, on the driver, a stop with notice (SIGTERM, Ctrl-C, ``ray job stop``) passed to the workers, waited on
+for at most ``train.stop_grace_s``.
 
 The driver and the workers meet through a :class:`Notice` actor; each worker waits on it from a thread (one call
-that returns when the notice comes: no polling), and the ranks agree at each optimizer step with a one-number
+that returns when the notice comes: no polling), and the ranks agree at each optimizer step with a few-number
 all-reduce on a gloo group, started at one step and read at the next (it overlaps a step of training: the GPU never
-waits on it).
+waits on it). A drain is Ray Train's to see (its watcher polls Ray's draining nodes every 5 s and tells the
+workers); the ranks ask it (``ray.train.get_preemption_info``, a barrier through Ray Train's synchronization actor)
+at the same step, once every :data:`DRAIN_CHECK_S`: one call a worker every few seconds, not one a step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pipeline.training.events import StepCheckpointed
 from pipeline.training.parallel import world_size
 
 log = logging.getLogger(__name__)
+
+DRAIN_CHECK_S = 5.0  # how often the ranks ask Ray Train whether a node of theirs is draining: its own poll's interval
 
 
 @ray.remote(num_cpus=0)
@@ -82,11 +87,13 @@ class Due:
         self.every_steps, self.every_s = train.step_checkpoints()
         self.notice = notice if train.checkpoint_on_stop else None
         self.stopping = threading.Event()
-        self.last = time.monotonic()
+        self.last = self.drains_checked = time.monotonic()
+        self.draining: set[str] = set()  # the drained nodes a checkpoint was taken for
+        self.why = ""  # what the last checkpoint that came due was for
         if self.notice is not None:
             threading.Thread(target=self.watch, name="stop-notice", daemon=True).start()
         self.group, self.pending = None, None
-        if world_size() > 1 and (self.notice is not None or self.every_s is not None):
+        if world_size() > 1:
             self.group = dist.new_group(backend="gloo")  # a CPU group: the agreement never syncs a GPU
 
     def watch(self) -> None:
@@ -101,19 +108,35 @@ class Due:
 
     def check(self, updates: int) -> tuple[bool, bool]:
         """After optimizer step ``updates`` of the run: (a checkpoint is due, the command is stopping)."""
-        local = torch.tensor([self.stopping.is_set(), self.timed_out()], dtype=torch.int32)
-        agreed = local
+        now = time.monotonic()
+        timed = self.every_s is not None and now - self.last >= self.every_s
+        flags = [self.stopping.is_set(), timed, now - self.drains_checked >= DRAIN_CHECK_S]
+        local = agreed = torch.tensor(flags, dtype=torch.int32)
         if self.group is not None:  # the last step's flags, over every rank; this step's go out now
-            work, agreed = self.pending or (None, torch.zeros(2, dtype=torch.int32))
+            work, agreed = self.pending or (None, torch.zeros(3, dtype=torch.int32))
             if work is not None:
                 work.wait()
             self.pending = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local
-        stopping, timed = bool(agreed[0]), bool(agreed[1])
+        stopping, timed, ask = (bool(flag) for flag in agreed)
         stepped = self.every_steps is not None and updates % self.every_steps == 0
-        return stepped or timed or stopping, stopping
+        self.why = "the command is stopping" if stopping else "train.checkpoint_every"
+        return stepped or timed or stopping or (ask and self.drained()), stopping
 
-    def timed_out(self) -> bool:
-        return self.every_s is not None and time.monotonic() - self.last >= self.every_s
+    def drained(self) -> bool:
+        """Whether Ray Train says a node of this worker group is draining (a spot node's notice, ``ray drain-node``)
+        that no checkpoint was taken for yet: asked by every rank at the same step (a barrier)."""
+        self.drains_checked = time.monotonic()
+        info = ray.train.get_preemption_info()
+        if info is None or set(info.preempted_node_ids) <= self.draining:
+            return False
+        self.draining |= set(info.preempted_node_ids)
+        deadline = (
+            "none" if info.deadline_ms is None else time.strftime("%H:%M:%S", time.localtime(info.deadline_ms / 1e3))
+        )
+        self.why = (
+            f"node(s) {', '.join(info.preempted_node_ids)} draining (ranks {info.preempted_ranks}, deadline {deadline})"
+        )
+        return True
 
     def saved(self) -> None:
         """A checkpoint was taken: the minutes count from now, and the flags in flight, from before it, go."""

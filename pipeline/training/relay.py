@@ -65,8 +65,9 @@ class ReportRelay(ray.train.UserCallback):
         path = checkpoint.path if checkpoint else None
         first = metrics[0]
         if STEP_KEY in first:  # a checkpoint within the epoch: no epoch's metrics
-            step, global_step = first[STEP_KEY], first["global_step"]
-            self.events.put(StepCheckpointed(epoch=first["epoch"], step=step, global_step=global_step, checkpoint=path))
+            step, global_step, why = first[STEP_KEY], first["global_step"], first.get("why", "")
+            saved = StepCheckpointed(epoch=first["epoch"], step=step, global_step=global_step, checkpoint=path, why=why)
+            self.events.put(saved)
         else:
             self.events.put(EpochReported(metrics, path))
 
