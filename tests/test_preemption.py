@@ -430,7 +430,7 @@ def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes
 
     # the notice gone is a notice too: it lives with the driver, so the driver's process or node is going
     gone = preemption.Notice.remote()
-    due = preemption.Due(TrainConfig(checkpoint_every=None), gone)
+    due = preemption.Due(TrainConfig(checkpoint_every=None), gone, drains=False)
     assert not due.stopping.wait(0.5)
     ray.kill(gone)
     assert due.stopping.wait(30) and due.notice is None  # stopping, and no answer awaited from it

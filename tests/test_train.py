@@ -30,7 +30,7 @@ def one_epoch(replica, batches, cfg, epoch: int, steps: int):
     """``train_epoch`` as the worker calls it for an epoch not resumed, with no checkpoint within it due; the
     epoch's figures as the worker reports them."""
     checkpoints = StepCheckpoints(
-        due=preemption.Due(cfg.train, None), replica=replica, stopper=None, notice=None, cfg=cfg, rank=0
+        due=preemption.Due(cfg.train, None, drains=False), replica=replica, stopper=None, cfg=cfg, rank=0
     )
     telemetry, _ = train_epoch(
         replica,

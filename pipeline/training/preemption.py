@@ -83,8 +83,10 @@ def checkpoint_before_stop(
 class Due:
     """In each worker: whether a checkpoint is due after an optimizer step, the same answer on every rank."""
 
-    def __init__(self, train: TrainConfig, notice: ray.actor.ActorHandle | None):
+    def __init__(self, train: TrainConfig, notice: ray.actor.ActorHandle | None, drains: bool = True):
+        """``drains``: ask Ray Train about draining nodes (in a Ray Train worker only)."""
         self.every_steps, self.every_s = train.step_checkpoints()
+        self.drains = drains
         self.notice = notice if train.checkpoint_on_stop else None
         self.stopping = threading.Event()
         self.last = self.drains_checked = time.monotonic()
@@ -110,7 +112,7 @@ class Due:
         """After optimizer step ``updates`` of the run: (a checkpoint is due, the command is stopping)."""
         now = time.monotonic()
         timed = self.every_s is not None and now - self.last >= self.every_s
-        flags = [self.stopping.is_set(), timed, now - self.drains_checked >= DRAIN_CHECK_S]
+        flags = [self.stopping.is_set(), timed, self.drains and now - self.drains_checked >= DRAIN_CHECK_S]
         local = agreed = torch.tensor(flags, dtype=torch.int32)
         if self.group is not None:  # the last step's flags, over every rank; this step's go out now
             work, agreed = self.pending or (None, torch.zeros(3, dtype=torch.int32))
