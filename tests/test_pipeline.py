@@ -178,7 +178,8 @@ def test_the_ingest_cache_holds_each_split_decoded_once(cli_run):
 
 
 @pytest.mark.slow
-def test_each_epoch_leaves_a_checkpoint_and_the_last_is_the_logged_model(cli_run):
+def test_the_run_keeps_its_last_two_epochs_checkpoints_and_the_last_is_the_logged_model(cli_run):
+    """``train.num_to_keep``'s default, 2, without a ``checkpoint_metric``: the latest two of the four epochs."""
     run, client = cli_run.run, cli_run.client
     logged = torch.load(
         client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(cli_run.root)), weights_only=True
@@ -186,7 +187,7 @@ def test_each_epoch_leaves_a_checkpoint_and_the_last_is_the_logged_model(cli_run
     storage = cli_run.root / "run" / "checkpoints" / run.info.run_id  # each run's own, by its MLflow id
     assert run.data.tags["pipeline.storage"] == str(storage)
     checkpoints = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
-    assert [torch.load(c, weights_only=True)["epoch"] for c in checkpoints] == [0, 1, 2, 3]
+    assert [torch.load(c, weights_only=True)["epoch"] for c in checkpoints] == [2, 3]
     last = torch.load(checkpoints[-1], weights_only=True)
     assert {"model", "optimizer"} <= last.keys() and last["model"].keys() == logged.keys()
     assert all(torch.equal(last["model"][k], logged[k]) for k in logged)

@@ -118,8 +118,6 @@ class EpochLog:
             for global_step, loss, at in metrics.pop(checkpoint.STEPS_KEY, []):
                 if global_step not in self.steps_logged:  # lost on their way: in the queue when the workers died
                     self.log_step_loss(loss, global_step, at)
-            if STEP_KEY in metrics:
-                self.log_step_checkpoint(metrics["global_step"])
             finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))  # NaN failed the run
             within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
             if metrics["epoch"] not in self.logged and finite and not within:
