@@ -301,7 +301,7 @@ def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_chec
     (first,) = workers(tmp_path)
     wait_for_step(tmp_path, first["pid"], per_epoch + per_epoch // 2)
     os.killpg(process.pid, signal.SIGTERM)
-    time.sleep(3)
+    time.sleep(3)  # ray job stop's wait (Slurm's KillWait is 30 s: docs/troubleshooting.md says what more costs)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=120)
@@ -320,9 +320,9 @@ def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_chec
     assert 0 <= trained - restored <= every, (trained, restored)
     epoch, step = divmod(int(restored), per_epoch)
     last = workers(tmp_path, 2)[1]["pid"]
-    assert_each_row_once(
-        epochs_of(first["pid"], tmp_path, keep_last=step), epochs_of(last, tmp_path, first=epoch), epochs=3
-    )
+    before = epochs_of(first["pid"], tmp_path)  # what the checkpoint holds: up to its step (one worker: BATCH a step)
+    before = {e: rows if e < epoch else rows[: step * BATCH] for e, rows in before.items() if e <= epoch}
+    assert_each_row_once(before, epochs_of(last, tmp_path, first=epoch), epochs=3)
     logged = {step for step, _ in history(client, resumed, "train_loss_step")}
     assert logged == set(range(5, 3 * per_epoch + 1, 5))  # none missing
 
