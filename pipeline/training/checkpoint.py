@@ -36,7 +36,7 @@ SIZE_KEY = "checkpoint_bytes"  # in the report of a checkpoint written before FI
 FILES_KEY = "checkpoint_files"  # in the report: every file of the checkpoint (all ranks'), and its size when whole
 SHARDED_KEY = "sharded"  # in a sharded checkpoint's state: the DCP directories that hold its model and optimizer
 SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
-STEPS_KEY = "logged_steps"  # in the report: rank 0's train_loss_step records of its epoch, [global step, loss, time]
+STEPS_KEY = "logged_steps"  # in the report: rank 0's step losses since the checkpoint before: [global step, loss, time]
 POSITION_FILE = "position.pt"  # beside it: the epoch's rows trained on (packed bits) and its figures so far
 
 
