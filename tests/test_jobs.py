@@ -27,6 +27,7 @@ from test_pipeline import cli_env
 from test_s3 import checkpoints, files_containing
 
 from pipeline.common import workarounds
+from pipeline.training import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(postgres_available() is not None, reason=str(postgres_available()))]
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +203,12 @@ def test_a_submitted_sweep_logs_to_the_server_and_its_registered_model_predicts_
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in (sweep.stdout + sweep.stderr)
 
 
+def whole_checkpoints(fs: pafs.FileSystem, storage: str) -> list[str]:
+    """The checkpoints under an s3:// run storage that a resume can continue from (whole), oldest first."""
+    found = checkpoint.reports(fs, storage.removeprefix("s3://"))
+    return [path for path, report in found if checkpoint.whole(fs, path, report)]
+
+
 def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches_the_local_run(
     head, project, tracking_server, s3_endpoint, deterministic_run, tmp_path
 ):
@@ -263,8 +270,9 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
     assert reached in (0, 1, 2), f"{reached} epochs logged before the stop"
     storage = f"s3://runs/checkpoints/{run.info.run_id}"
     assert run.data.tags["pipeline.storage"] == storage
-    with fs.open_input_file(max(checkpoints(fs, storage))) as stream:
-        newest = torch.load(stream, weights_only=True)["epoch"]
+    before = whole_checkpoints(fs, storage)  # a copy the SIGKILL cut short is left out, as a resume leaves it
+    assert before, f"no whole checkpoint in {checkpoints(fs, storage)}"
+    newest = checkpoint.read_report(fs, before[-1])["epoch"]
     # never behind the record; ahead when the driver was killed before the rest reached MLflow (resuming logs it)
     assert newest >= reached - 1, f"newest checkpoint epoch {newest}, {reached} epochs logged"
 
@@ -285,29 +293,28 @@ def test_an_s3_job_stopped_by_ray_job_stop_resumes_into_the_same_run_and_matches
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         assert steps == [0, 1, 2], f"{key} logged at steps {steps}"
     (restored,) = [m.step for m in client.get_metric_history(run.info.run_id, "restores")]
-    # from the newest checkpoint, or the one before when the stop cut the newest's copy short
-    assert restored in (newest, newest + 1), f"restored at epoch {restored}, newest checkpoint {newest}"
     # the workers checkpoint at the step they are on once the notice reaches them, within Ray's 3 s: the resume goes
     # on from that step. On a busy machine the stop can also land as an epoch ends, or the SIGKILL before the step's
-    # checkpoint (a timing, not the feature: test_preemption pins the step checkpoint); then the resume starts the
-    # epoch after the newest, an epoch's end
+    # checkpoint is whole in storage (a timing, not the feature: test_preemption pins the step checkpoint); then the
+    # resume starts the epoch after the newest whole one, an epoch's end
     if f"continuing at epoch {restored + 1}/3 after its step" in output:
         (step,) = [m.value for m in client.get_metric_history(run.info.run_id, "restored_at_step")]
         assert step > restored * (512 // 16), step  # past the epoch's start: 512 rows a worker, batches of 16
+        assert restored == newest, (restored, newest)
     else:
         assert f"continuing at epoch {restored + 1}/3 on 1 worker" in output, output[-3000:]
         assert restored == newest + 1, (restored, newest)
     assert run.data.params["source.train"] == "s3://data/cifar10/train"
 
     # Checkpoints went to the S3 server, load safely and hold the weights MLflow logged.
-    saved = checkpoints(fs, storage)
-    assert len(saved) == newest + 1 + 3 - restored, (saved, newest, restored)  # one an epoch, one more for a rerun
-    with fs.open_input_file(max(saved)) as stream:
-        checkpoint = torch.load(stream, weights_only=True)
+    saved = whole_checkpoints(fs, storage)
+    assert len(saved) == len(before) + 3 - restored, (saved, before, restored)  # one more an epoch trained
+    with fs.open_input_file(f"{saved[-1]}/{checkpoint.CHECKPOINT_FILE}") as stream:
+        last = torch.load(stream, weights_only=True)
     logged = torch.load(
         client.download_artifacts(run.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
     )
-    assert checkpoint["epoch"] == 2 and all(torch.equal(checkpoint["model"][k], logged[k]) for k in logged)
+    assert last["epoch"] == 2 and all(torch.equal(last["model"][k], logged[k]) for k in logged)
 
     # Deterministic on CPU: the S3 run, stopped and resumed, ends where an uninterrupted local one does.
     ended = {key: run.data.metrics[key] for key in ("val_accuracy", "val_loss", "train_loss")}

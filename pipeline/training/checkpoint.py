@@ -106,10 +106,16 @@ def newest(filesystem: pafs.FileSystem, directory: str) -> str | None:
     resumed run continues when Ray Train never registered it (Ray registers a checkpoint only once it is
     copied to storage, so a job stopped between the two leaves one that only this finds)."""
     for path, report in reversed(reports(filesystem, directory)):
-        written = report.get(FILES_KEY, {CHECKPOINT_FILE: report.get(SIZE_KEY)})
-        if all(filesystem.get_file_info(f"{path}/{name}").size == size for name, size in written.items()):
+        if whole(filesystem, path, report):
             return path
     return None
+
+
+def whole(filesystem: pafs.FileSystem, path: str, report: dict) -> bool:
+    """Whether every file the checkpoint at ``path`` was written with is there at the size its ``report`` says: a
+    copy to storage cut short (a SIGKILL) leaves some missing or short."""
+    written = report.get(FILES_KEY, {CHECKPOINT_FILE: report.get(SIZE_KEY)})
+    return all(filesystem.get_file_info(f"{path}/{name}").size == size for name, size in written.items())
 
 
 def load(path: str, key: str, device: torch.device | str = "cpu", sharded: bool = False) -> dict:
