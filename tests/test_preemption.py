@@ -282,9 +282,11 @@ def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_chec
 ):
     """A machine's shutdown as Ray's processes see it: SIGTERM to the command's whole process group (the driver,
     Ray's head processes), SIGKILL 3 s later; no checkpoint on the notice comes, Ray's raylet being gone. The run is
-    not left RUNNING; resumed, it repeats at most ``train.checkpoint_every``'s steps (10 here, standing in for the
-    default's 10 minutes; ``train.num_to_keep`` at its default), each row of every epoch once, and every logged step
-    loss is in MLflow: those still on their way to the driver when it died come from the checkpoints' reports."""
+    not left RUNNING; resumed, it loses at most ``train.checkpoint_every``'s steps of those trained before the
+    SIGTERM (10 here, standing in for the default's 10 minutes; ``train.num_to_keep`` at its default), each row of
+    every epoch once, and every logged step loss is in MLflow: those still on their way to the driver when it died
+    come from the checkpoints' reports. (The worker, outside the group, trains on until it sees the raylet gone: those
+    steps are repeated too, as many as the machine's grace allows; docs/troubleshooting.md.)"""
     every, per_epoch = 10, TRAIN_ROWS // BATCH
     run = ["scaling.num_workers=1", "train.epochs=3", "model.delay_s=0.1", f"train.checkpoint_every={every}"]
     (tmp_path / "ledger").mkdir()
@@ -301,6 +303,7 @@ def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_chec
     (first,) = workers(tmp_path)
     wait_for_step(tmp_path, first["pid"], per_epoch + per_epoch // 2)
     os.killpg(process.pid, signal.SIGTERM)
+    noticed = forwards(tmp_path / "ledger" / f"{first['pid']}.log")  # the steps trained before the shutdown began
     time.sleep(3)  # ray job stop's wait (Slurm's KillWait is 30 s: docs/troubleshooting.md says what more costs)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -317,7 +320,7 @@ def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_chec
     client, resumed = the_run(tmp_path)
     assert resumed.info.status == "FINISHED"
     ((_, restored),) = history(client, resumed, "restored_at_step")
-    assert 0 <= trained - restored <= every, (trained, restored)
+    assert noticed - every <= restored <= trained, (noticed, restored, trained)
     epoch, step = divmod(int(restored), per_epoch)
     last = workers(tmp_path, 2)[1]["pid"]
     before = epochs_of(first["pid"], tmp_path)  # what the checkpoint holds: up to its step (one worker: BATCH a step)
