@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -278,8 +279,9 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
     one, grows to two workers when a third node joins, and shrinks back when that node leaves, each time
     from the latest checkpoint; every epoch logged once, with the worker count it ran on. Before it leaves, the
     node is drained as a spot reclaim's notice drains it (``ray drain-node``, reason preemption): the workers
-    checkpoint at the step they are on, the run's only checkpoint within an epoch (``train.checkpoint_every=null``
-    here)."""
+    checkpoint at the step they are on, the run's only checkpoint within an epoch but the stop's
+    (``train.checkpoint_every=null`` here). Once two epochs have run on one worker again, the command is stopped
+    (SIGTERM): the run's epochs left would show nothing more."""
     command = subprocess.Popen(
         [
             sys.executable,
@@ -292,9 +294,9 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
             "train.max_failures=2",  # the node that leaves takes a worker with it: a failure to Ray Train
             "train.checkpoint_every=null",  # no checkpoint within an epoch but the drain's
             "train.num_to_keep=null",  # each kept
-            # enough for the grow, which a node starting on a busy machine can hold up for 10 epochs and more, and
-            # for the drain to be seen (Ray Train's watcher polls every 5 s, the workers ask it every 5 s)
-            "train.epochs=80",
+            # more than the grow, which a node starting on a busy machine can hold up for 10 epochs and more, and
+            # the drain take (Ray Train's watcher polls every 5 s, the workers ask it every 5 s): stopped before
+            "train.epochs=200",
             "tracking.log_model=false",
             f"ray.address={cluster['address']}",
             f"storage.path={tmp_path / 'storage'}",
@@ -320,29 +322,35 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
             assert time.monotonic() < deadline, said.text[-3000:]
             time.sleep(0.2)
         node_command(cluster, "remove")
-        command.wait(timeout=300)
+        wait_for_workers(tmp_path / "run", lambda sizes: phases_of(sizes) == [1, 2, 1] and sizes[-2:] == [1, 1])
+        command.send_signal(signal.SIGTERM)
+        command.wait(timeout=120)
         said.join(timeout=10)
         output = said.text
     finally:
         command.kill()
-    assert command.returncode == 0 and "Traceback" not in output, output[-3000:]
-    sizes = workers_per_epoch(tmp_path / "run")
-    phases = [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
-    assert len(sizes) == 80 and phases == [1, 2, 1], sizes
+    assert command.returncode == 143 and "Traceback" not in output, output[-3000:]  # stopped: 128 + SIGTERM
     assert "on 2 workers" in output and "on 1 worker\n" in output  # the console says each resize
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("wine_mlp").experiment_id])
-    assert run.info.status == "FINISHED" and run.data.metrics["val_accuracy"] > 0.8
-    assert [
-        m.value for m in sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
-    ] == sizes
+    assert run.info.status == "KILLED" and run.data.metrics["val_accuracy"] > 0.8
+    history = sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
+    sizes = [int(m.value) for m in history]  # with the epochs whose reports the stop overtook, from checkpoints
+    heard = workers_per_epoch(tmp_path / "run")
+    assert phases_of(sizes) == [1, 2, 1] and sizes[: len(heard)] == heard and len(sizes) < 200, (sizes, heard)
     assert len(client.get_metric_history(run.info.run_id, "restores")) == 2  # grown, then shrunk
     within = [json.loads(path.read_text()) for path in (tmp_path / "storage").glob("*/checkpoint_*/report.json")]
-    assert [r for r in within if "epoch_step" in r] == drained  # the only checkpoint within an epoch: the drain's
-    assert_each_epoch_once(client, run.info.run_id, 80)
+    within = [r for r in within if "epoch_step" in r and r.get("why") != "the command is stopping"]
+    assert within == drained  # the only checkpoint within an epoch but the stop's: the drain's
+    assert_each_epoch_once(client, run.info.run_id, len(sizes))
     ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"], added}  # only the nodes with an elastic_slot
+
+
+def phases_of(sizes: list[int]) -> list[int]:
+    """The worker counts a run went through, in order: [1, 2, 1] for a grow and a shrink."""
+    return [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
 
 
 def drain_checkpoints(storage: Path, node: str) -> list[dict]:
