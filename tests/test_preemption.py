@@ -86,7 +86,9 @@ def command(tmp_path: Path, data: Path, *overrides: str) -> list[str]:
     ]
 
 
-def start(tmp_path: Path, data: Path, *overrides: str) -> subprocess.Popen:
+def start(tmp_path: Path, data: Path, *overrides: str, own_group: bool = False) -> subprocess.Popen:
+    """The command, its output piped; ``own_group``: in a process group of its own, as a login session or a Slurm
+    job step runs it, so that a test can signal it whole."""
     (tmp_path / "ledger").mkdir(exist_ok=True)
     env = {**cli_env(data), "PYTHONPATH": str(TESTS)}  # the workers import the ledger model
     return subprocess.Popen(
@@ -96,6 +98,7 @@ def start(tmp_path: Path, data: Path, *overrides: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=own_group,
     )
 
 
@@ -127,18 +130,17 @@ def workers(tmp_path: Path, count: int = 1) -> list[dict]:
     return [json.loads(line) for line in started]
 
 
-def epochs_of(pid: int, tmp_path: Path, first: int = 0, keep_last: int | None = None) -> dict[int, list[int]]:
+def epochs_of(pid: int, tmp_path: Path, first: int = 0, steps: int | None = None) -> dict[int, list[int]]:
     """The rows worker ``pid`` trained on, by epoch (its ledger's validation marks end each one), from epoch
-    ``first``; ``keep_last``: the last epoch's first steps only (those a checkpoint kept before a SIGKILL)."""
+    ``first``; ``steps``: its first steps only (those the checkpoint its successors started from kept)."""
     epochs: list[list[list[int]]] = [[]]
     for line in (tmp_path / "ledger" / f"{pid}.log").read_text().splitlines():
         if line == "V":
             if epochs[-1]:
                 epochs.append([])
             continue
-        epochs[-1].append([int(row) for row in line[2:].split()])
-    if keep_last is not None:
-        epochs[-1] = epochs[-1][:keep_last]
+        if steps is None or sum(map(len, epochs)) < steps:
+            epochs[-1].append([int(row) for row in line[2:].split()])
     return {first + i: [row for step in steps for row in step] for i, steps in enumerate(epochs) if steps}
 
 
@@ -232,102 +234,75 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
 
 
 @pytest.mark.slow  # runs the command, which starts Ray
-def test_a_streamed_run_restarts_after_a_kill_and_resumes_on_another_worker_count_each_row_once(tmp_path, ledger_data):
-    """The training split streamed (not cached), shuffled, on 2 workers, train.checkpoint_every=10 steps. Rank 1
-    SIGKILLed mid-epoch 1 (no notice): the worker group restarts from the latest step checkpoint, at most 10 steps
-    back (train.max_failures=1). SIGTERM mid-epoch 2, resumed on 1 worker (the global batch kept): dropping the
-    steps the killed group took past its checkpoint, each row of every epoch was trained on once, each epoch is
-    logged once, and Ray kept the best epoch's checkpoint and the latest (num_to_keep=1 by val_accuracy): no step
-    checkpoint."""
+def test_a_streamed_run_restarts_after_a_kill_and_resumes_after_a_shutdown_each_row_and_step_once(
+    tmp_path, ledger_data
+):
+    """The training split streamed (not cached), shuffled, on 2 workers, 3 epochs, train.checkpoint_every=10 steps.
+    Rank 1 SIGKILLed mid-epoch 1 (no notice): the worker group restarts from the latest step checkpoint, at most 10
+    steps back (train.max_failures=1). In epoch 2, a machine's shutdown as Ray's processes see it: SIGTERM to the
+    command's whole process group (the driver, Ray's head processes), SIGKILL 3 s later; no checkpoint on the notice
+    comes, Ray's raylet being gone. The run is not left RUNNING. Resumed on 1 worker (the global batch kept), it
+    loses at most 10 of the steps trained before the SIGTERM (the workers, outside the group, train on until they
+    see the raylet gone: those are trained again too; docs/troubleshooting.md). Dropping the steps each group took
+    past the checkpoint its successor started from, each row of every epoch was trained on once; each epoch is
+    logged once, and every logged step loss: those on their way to the driver when it died come from the
+    checkpoints' reports. Ray kept the best epoch's checkpoint and the latest (num_to_keep=1 by val_accuracy): no
+    step checkpoint."""
     every, per_epoch = 10, TRAIN_ROWS // BATCH  # a worker's steps: half of each global batch, half the rows
     run = [
         "ingest.cache=false",
+        "train.epochs=3",  # the third for the steps the workers train after the SIGTERM
+        "model.delay_s=0.1",
         f"train.checkpoint_every={every}",
         "train.max_failures=1",
         "train.num_to_keep=1",
         "train.checkpoint_metric=val_accuracy",
         "tracking.run_name=moved",
     ]
-    process = start(tmp_path, ledger_data, *run, "scaling.num_workers=2")
-    rank1 = next(w["pid"] for w in workers(tmp_path, 2) if w["rank"] == 1)
+    process = start(tmp_path, ledger_data, *run, "scaling.num_workers=2", own_group=True)
+    first_group = workers(tmp_path, 2)
+    rank1 = next(w["pid"] for w in first_group if w["rank"] == 1)
     wait_for_step(tmp_path, rank1, per_epoch // 2 + 3)
     killed_at = forwards(tmp_path / "ledger" / f"{rank1}.log")
     psutil.Process(rank1).kill()
     restarted_group = workers(tmp_path, 4)[2:]
-    wait_for_step(tmp_path, restarted_group[0]["pid"], per_epoch // 3 + per_epoch // 2)  # in epoch 2 by then
-    process.send_signal(signal.SIGTERM)
-    finish(process, 143)
-
-    resumed = finish(start(tmp_path, ledger_data, *run, "scaling.num_workers=1", "train.resume=true"))
-    assert "continuing at epoch 2/2 after its step" in resumed and "on 1 worker" in resumed
-    client, run = the_run(tmp_path)
-    assert run.info.status == "FINISHED" and [s for s, _ in history(client, run, "val_loss")] == [0, 1]
-    (_, restarted), _ = history(client, run, "restored_at_step")
-    assert killed_at - every <= restarted <= killed_at, (killed_at, restarted)
-    *group, last = [w["pid"] for w in workers(tmp_path)]
-    assert_each_row_once(
-        *(epochs_of(pid, tmp_path, keep_last=int(restarted)) for pid in group[:2]),
-        *(epochs_of(pid, tmp_path) for pid in group[2:]),
-        epochs_of(last, tmp_path, first=1),
-    )
-    storage = next((tmp_path / "run" / "checkpoints").iterdir())
-    kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
-    reports = [json.loads((storage / c["checkpoint_dir_name"] / "report.json").read_text()) for c in kept]
-    assert all("epoch_step" not in report for report in reports) and {r["epoch"] for r in reports} <= {0, 1}
-
-
-@pytest.mark.slow  # runs the command, which starts Ray
-def test_a_run_whose_process_group_is_terminated_resumes_from_its_last_step_checkpoint_with_every_step_logged(
-    tmp_path, ledger_data
-):
-    """A machine's shutdown as Ray's processes see it: SIGTERM to the command's whole process group (the driver,
-    Ray's head processes), SIGKILL 3 s later; no checkpoint on the notice comes, Ray's raylet being gone. The run is
-    not left RUNNING; resumed, it loses at most ``train.checkpoint_every``'s steps of those trained before the
-    SIGTERM (10 here, standing in for the default's 10 minutes; ``train.num_to_keep`` at its default), each row of
-    every epoch once, and every logged step loss is in MLflow: those still on their way to the driver when it died
-    come from the checkpoints' reports. (The worker, outside the group, trains on until it sees the raylet gone: those
-    steps are repeated too, as many as the machine's grace allows; docs/troubleshooting.md.)"""
-    every, per_epoch = 10, TRAIN_ROWS // BATCH
-    run = ["scaling.num_workers=1", "train.epochs=3", "model.delay_s=0.1", f"train.checkpoint_every={every}"]
-    (tmp_path / "ledger").mkdir()
-    env = {**cli_env(ledger_data), "PYTHONPATH": str(TESTS)}
-    process = subprocess.Popen(
-        command(tmp_path, ledger_data, *run, "tracking.run_name=shutdown"),
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, as a login session or a Slurm job step has
-    )
-    (first,) = workers(tmp_path)
-    wait_for_step(tmp_path, first["pid"], per_epoch + per_epoch // 2)
+    rank0 = next(w["pid"] for w in restarted_group if w["rank"] == 0)
+    wait_for_step(tmp_path, rank0, per_epoch // 3 + per_epoch // 2)  # in epoch 2 by then
     os.killpg(process.pid, signal.SIGTERM)
-    noticed = forwards(tmp_path / "ledger" / f"{first['pid']}.log")  # the steps trained before the shutdown began
+    noticed = forwards(tmp_path / "ledger" / f"{rank0}.log")  # the steps it trained before the shutdown began
     time.sleep(3)  # ray job stop's wait (Slurm's KillWait is 30 s: docs/troubleshooting.md says what more costs)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=120)
     deadline = time.monotonic() + 60  # a Ray worker is not in the group: it ends once it sees the raylet gone
-    while psutil.pid_exists(first["pid"]):
-        assert time.monotonic() < deadline, "the worker outlived Ray by a minute"
+    while any(psutil.pid_exists(w["pid"]) for w in restarted_group):
+        assert time.monotonic() < deadline, "a worker outlived Ray by a minute"
         time.sleep(0.1)
     client, stopped = the_run(tmp_path)
     assert stopped.info.status == "KILLED"
-    trained = forwards(tmp_path / "ledger" / f"{first['pid']}.log")  # one worker: a forward a global step
+    trained = forwards(tmp_path / "ledger" / f"{rank0}.log")
 
-    finish(start(tmp_path, ledger_data, *run, "tracking.run_name=shutdown", "train.resume=true"))
-    client, resumed = the_run(tmp_path)
-    assert resumed.info.status == "FINISHED"
-    ((_, restored),) = history(client, resumed, "restored_at_step")
-    assert noticed - every <= restored <= trained, (noticed, restored, trained)
-    epoch, step = divmod(int(restored), per_epoch)
-    last = workers(tmp_path, 2)[1]["pid"]
-    before = epochs_of(first["pid"], tmp_path)  # what the checkpoint holds: up to its step (one worker: BATCH a step)
-    before = {e: rows if e < epoch else rows[: step * BATCH] for e, rows in before.items() if e <= epoch}
-    assert_each_row_once(before, epochs_of(last, tmp_path, first=epoch), epochs=3)
-    logged = {step for step, _ in history(client, resumed, "train_loss_step")}
+    resumed = finish(start(tmp_path, ledger_data, *run, "scaling.num_workers=1", "train.resume=true"))
+    assert "continuing at epoch" in resumed and "on 1 worker" in resumed
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED" and [s for s, _ in history(client, run, "val_loss")] == [0, 1, 2]
+    (_, restarted), (_, restored) = history(client, run, "restored_at_step")
+    restarted, restored = int(restarted), int(restored)
+    assert killed_at - every <= restarted <= killed_at, (killed_at, restarted)
+    assert restarted + noticed - every <= restored <= restarted + trained, (restarted, noticed, restored, trained)
+    last = workers(tmp_path, 5)[-1]["pid"]
+    assert_each_row_once(
+        *(epochs_of(w["pid"], tmp_path, steps=restarted) for w in first_group),
+        *(epochs_of(w["pid"], tmp_path, steps=restored - restarted) for w in restarted_group),
+        epochs_of(last, tmp_path, first=restored // per_epoch),
+        epochs=3,
+    )
+    logged = {step for step, _ in history(client, run, "train_loss_step")}
     assert logged == set(range(5, 3 * per_epoch + 1, 5))  # none missing
+    storage = next((tmp_path / "run" / "checkpoints").iterdir())
+    kept = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+    reports = [json.loads((storage / c["checkpoint_dir_name"] / "report.json").read_text()) for c in kept]
+    assert all("epoch_step" not in report for report in reports) and {r["epoch"] for r in reports} <= {0, 1, 2}
 
 
 def test_the_ledger_counts_rows_over_workers_and_packs_those_trained_on_as_bits():
