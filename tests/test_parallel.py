@@ -411,8 +411,9 @@ class LargestObject(threading.Thread):
 def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_root, ray_runtime, monkeypatch):
     """A worker SIGKILLed during epoch 2 fails the 2-worker FSDP run of a ViT of 1.6 M parameters; resumed on 1
     worker it continues from epoch 1's sharded checkpoint (DCP reshards it) and finishes, each epoch in MLflow once.
-    Throughout, no object in Ray's object store is as large as the model's weights: the driver saves the starting
-    weights to the run's storage, where each worker reads its shards."""
+    While the run starts and trains, no object in Ray's object store is as large as the model's weights: the driver
+    saves the starting weights to the run's storage, where each worker reads its shards. (Sampled until the first
+    run fails: the resumed one starts from its checkpoint, and each sample is a Python process.)"""
     monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     wide = ["model.num_layers=2", "model.hidden_dim=256", "model.mlp_dim=1024"]
     weights = full_bytes(compose_cfg([*VIT, *wide]))
@@ -435,6 +436,7 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
     with pytest.raises(PipelineError, match="training failed"):
         in_process(tmp_path, "run", run)
     killer.join(timeout=5)
+    store.running = False
     assert len(killed) == 1, killed
     saved = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())  # epochs checkpointed before the kill
     metrics, _ = in_process(tmp_path, "resumed", [*run, "train.resume=true", "scaling.num_workers=1"])
@@ -443,6 +445,5 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
     assert_each_epoch_once(client, run_info.info.run_id, 3)
     restores = client.get_metric_history(run_info.info.run_id, "restores")
     assert [r.step for r in restores] == [saved], (restores, saved)  # continued after the last epoch saved
-    store.running = False
     store.join()
     assert store.samples > 5 and 0 < store.largest < weights / 2, (store.largest, weights)
