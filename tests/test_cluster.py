@@ -25,6 +25,8 @@ from test_fault_tolerance import assert_each_epoch_once
 from test_pipeline import cli_env, no_runs_logged, run_cli
 from test_tune import epochs_logged, sweep_runs
 
+from pipeline.training import preemption
+
 HERE = Path(__file__).parent
 # Photos of 256-512 pixels a side (source=photos, written offline: 100 training rows in 15 files, 10
 # validation rows in 10, so two workers split validation evenly), cropped to 64 to keep the model small.
@@ -341,7 +343,7 @@ def test_elastic_workers_grow_when_a_node_joins_and_shrink_when_it_leaves(tmp_pa
     assert phases_of(sizes) == [1, 2, 1] and sizes[: len(heard)] == heard and len(sizes) < 200, (sizes, heard)
     assert len(client.get_metric_history(run.info.run_id, "restores")) == 2  # grown, then shrunk
     within = [json.loads(path.read_text()) for path in (tmp_path / "storage").glob("*/checkpoint_*/report.json")]
-    within = [r for r in within if "epoch_step" in r and r.get("why") != "the command is stopping"]
+    within = [r for r in within if "epoch_step" in r and r.get("why") != preemption.STOPPING]
     assert within == drained  # the only checkpoint within an epoch but the stop's: the drain's
     assert_each_epoch_once(client, run.info.run_id, len(sizes))
     ranks = [json.loads(line) for line in (tmp_path / "run" / "workers.jsonl").read_text().splitlines()]

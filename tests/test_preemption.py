@@ -31,7 +31,7 @@ from pipeline.common.errors import PipelineError
 from pipeline.config import TrainConfig, TransformSpec
 from pipeline.data.pieces import ROW, row_numbers, trained
 from pipeline.data.steps import Steps
-from pipeline.training import checkpoint
+from pipeline.training import checkpoint, preemption
 from pipeline.training.ledger import Ledger
 from pipeline.training.telemetry import EpochTelemetry
 
@@ -202,6 +202,9 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
     wait_for_validation(tmp_path, workers(tmp_path)[0]["pid"])
     first.send_signal(signal.SIGTERM)
     assert f"stopping: checkpointed at epoch 1, step {per_epoch}" in finish(first, 143)
+    storage = str(next((tmp_path / "run" / "checkpoints").iterdir()))
+    (taken,) = [report for _, report in checkpoint.reports(pafs.LocalFileSystem(), storage) if "epoch_step" in report]
+    assert taken["why"] == preemption.STOPPING  # asked for in validation, after the training steps' last check
 
     second = start(tmp_path, ledger_data, *stopped, "train.resume=true")
     wait_for_step(tmp_path, workers(tmp_path, 2)[1]["pid"], per_epoch // 2)
@@ -382,7 +385,6 @@ def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes
     worker that hears the stop and saves is heard at once."""
     import ray
 
-    from pipeline.training import preemption
     from pipeline.training.events import StepCheckpointed
 
     silent, told = preemption.Notice.remote(), []

@@ -29,6 +29,7 @@ from pipeline.training.parallel import world_size
 
 log = logging.getLogger(__name__)
 
+STOPPING = "the command is stopping"  # why a checkpoint was taken, in its report, when the driver's notice asked for it
 DRAIN_CHECK_S = 5.0  # how often the ranks ask Ray Train whether a node of theirs is draining: its own poll's interval
 
 
@@ -121,7 +122,7 @@ class Due:
             self.pending = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group, async_op=True), local
         stopping, timed, ask = (bool(flag) for flag in agreed)
         stepped = self.every_steps is not None and updates % self.every_steps == 0
-        self.why = "the command is stopping" if stopping else "train.checkpoint_every"
+        self.why = STOPPING if stopping else "train.checkpoint_every"
         return stepped or timed or stopping or (ask and self.drained()), stopping
 
     def drained(self) -> bool:

@@ -354,7 +354,8 @@ class StepCheckpoints:
         """The checkpoint after ``step`` of ``epoch`` (a collective), the driver told when the command is stopping."""
         train = self.cfg.train
         telemetry, ledger = within
-        metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank, "why": self.due.why}
+        why = preemption.STOPPING if stopping else self.due.why  # a stop seen in validation comes after the last check
+        metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank, "why": why}
         if train.checkpoint_metric is not None:
             metrics[train.checkpoint_metric] = checkpoint.unscored(train, self.cfg.task)
         upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
