@@ -1,7 +1,8 @@
-"""A preemption costs a step, not an epoch: runs stopped mid-epoch or while validating (SIGTERM: a notice) or with
-a worker SIGKILLed (no notice) continue from the step they reached, and a ledger kept by the model itself (each
-training forward appends the row numbers it saw: tests/ledger_model.py) shows every row trained on once per epoch,
-on the same or another number of workers. (``ray job stop`` with Ray's defaults, mid-epoch: the S3 job in test_jobs.py.)
+"""A preemption costs a step, not an epoch: runs stopped mid-epoch or while validating (SIGTERM: a notice), or with
+a worker SIGKILLed or the whole process group shut down (no notice), continue from the step they reached, and a
+ledger kept by the model itself (each training forward appends the row numbers it saw: tests/ledger_model.py) shows
+every row trained on once per epoch, on the same or another number of workers. (``ray job stop`` with Ray's
+defaults, mid-epoch: the S3 job in test_jobs.py.)
 """
 
 from __future__ import annotations
