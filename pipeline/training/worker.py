@@ -45,6 +45,9 @@ from pipeline.training.resume import EpochSteps, restore_point, steps_per_epoch
 from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
 
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
+# Logged steps every checkpoint's report keeps, however many checkpoints came since: past the seconds Ray's workers
+# train on once the driver died with its machine (3-4 s in tests/test_preemption.py; a minute at most there)
+CARRY_S = 300.0
 
 
 @dataclass(kw_only=True)
@@ -326,11 +329,14 @@ class StepCheckpoints:
     previous: int = -1  # the global step of the checkpoint before
 
     def carried(self, global_step: int) -> list[tuple[int, float, float]]:
-        """The logged steps (global step, loss, time) a checkpoint at ``global_step`` keeps in its report: those
-        since the checkpoint before the last, for the driver to log any still on their way when the workers died
-        (the last checkpoint's report may be gone, Ray keeping ``train.num_to_keep``)."""
+        """The logged steps (global step, loss, time) a checkpoint at ``global_step`` keeps in its report, for the
+        driver to log any still on their way when it died: those since the checkpoint before the last (the last
+        one's report may be gone, Ray keeping ``train.num_to_keep``), and those of the last ``CARRY_S`` seconds
+        (Ray's workers and controller outlive a driver killed with its machine by seconds, and each checkpoint they
+        take in that time has Ray delete an older one)."""
         carried = list(self.logged)
-        self.logged = [record for record in self.logged if record[0] >= self.previous]
+        recent = time.time() - CARRY_S
+        self.logged = [record for record in self.logged if record[0] >= self.previous or record[2] >= recent]
         self.previous = global_step
         return carried
 
