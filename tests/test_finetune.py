@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import compose_cfg
+from exported import best_model_exports
 from mlflow import MlflowClient
 
 from pipeline.common.errors import PipelineError
@@ -73,6 +74,7 @@ def pretrained(tmp_path_factory, ray_runtime) -> tuple[Path, dict]:
             "train.num_to_keep=2",  # the best two and the latest: one of the four dropped, at least
             "tracking.register_as=xor",
             "optim.lr=0.01",
+            "train.export=[torch_export,onnx]",
         ],
     )
     metrics = run(cfg, Job(str(root / "pretrain"), "finetune")).metrics
@@ -190,6 +192,13 @@ def test_each_kept_checkpoint_is_a_logged_model_linked_to_its_epoch_and_loads_wi
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert float(completed.stdout.split()[-1]) == pytest.approx(accuracy[best], abs=1e-9)
+
+    # train.export: the best model's files load alone and match the eager MLP on 64 held-out rows
+    checked, manifest = best_model_exports(client, run.info.run_id, root / "exports")
+    assert set(checked) == {"torch_export", "onnx"} and all(within for _, within in checked.values()), checked
+    assert manifest["input"] == {"column": FEATURES, "dtype": "float32", "shape": ["batch", 8]}
+    assert manifest["checked"]["rows"] == 64 and manifest["outputs"]["task"] == "classification"
+    assert len(manifest["scaling_inside"]["standardize"]["mean"]) == 8  # ingest.standardize: inside the files
 
 
 def last_checkpoint(storage: Path) -> dict:

@@ -431,6 +431,7 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
         killed.append(worker.pid)
 
     run = [*wide, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
+    run.append("train.ema=0.99")  # the averages: sharded as the weights, resharded on resume, the logged model
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()
     with pytest.raises(PipelineError, match="training failed"):
@@ -447,3 +448,13 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
     assert [r.step for r in restores] == [saved], (restores, saved)  # continued after the last epoch saved
     store.join()
     assert store.samples > 5 and 0 < store.largest < weights / 2, (store.largest, weights)
+
+    last = max(p for p in Path(run_info.data.tags["pipeline.storage"]).glob("checkpoint_*") if p.is_dir())
+    assert (last / checkpoint.EMA_KEY / ".metadata").exists()  # DCP's: each rank wrote its shards of the averages
+    state = checkpoint.load_whole(str(last), "test")
+    logged = torch.load(
+        client.download_artifacts(run_info.info.run_id, "model/state_dict.pt", str(tmp_path)), weights_only=True
+    )
+    assert all(torch.equal(logged[name], average) for name, average in state[checkpoint.EMA_KEY].items())
+    assert not torch.equal(logged["heads.head.weight"], state["model"]["heads.head.weight"])
+    assert "raw_val_loss" in run_info.data.metrics

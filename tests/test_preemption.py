@@ -164,10 +164,11 @@ def history(client: MlflowClient, run, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
 
 
-def final_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
+def final_weights(tmp_path: Path, key: str = "model") -> dict[str, torch.Tensor]:
+    """The last checkpoint's trained weights (``model``) or averages (``ema``)."""
     reports = checkpoint.reports(pafs.LocalFileSystem(), str(next((tmp_path / "run" / "checkpoints").iterdir())))
     path, _ = reports[-1]
-    return checkpoint.load(path, "the run's last checkpoint")["model"]
+    return checkpoint.load(path, "the run's last checkpoint")[key]
 
 
 def wait_for_validation(tmp_path: Path, pid: int, timeout_s: float = 180.0) -> None:
@@ -187,8 +188,8 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
     no row of epoch 1 again and validates it; SIGTERM halfway through epoch 2: the worker checkpoints at the step it
     is on. Resumed again, it continues after that step. Each time the run ends KILLED; in the end each row was
     trained on once per epoch, each epoch is logged once with the whole epoch's figures, the step losses go on from
-    the step reached, and the weights are the uninterrupted run's."""
-    deterministic = ["scaling.num_workers=1", "ingest.preserve_order=true"]
+    the step reached, and the weights and their averages (train.ema, validated as val_*) are the uninterrupted run's."""
+    deterministic = ["scaling.num_workers=1", "ingest.preserve_order=true", "train.ema=0.9"]
     straight = tmp_path / "straight"
     straight.mkdir()
     finish(start(straight, ledger_data, *deterministic))
@@ -229,12 +230,16 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
     )
     steps = [step for step, _ in history(client, run, "train_loss_step")]
     assert steps == list(range(5, 2 * per_epoch + 1, 5))  # each logged once, going on from the step reached
-    for key in ("train_loss", "val_loss", "train_rows"):  # each epoch once, the whole epoch's figures
+    for key in ("train_loss", "val_loss", "raw_val_loss", "train_rows"):  # each epoch once, the whole epoch's figures
         ours, theirs = history(client, run, key), history(straight_client, uninterrupted, key)
         assert [s for s, _ in ours] == [0, 1], key
         assert np.allclose([v for _, v in ours], [v for _, v in theirs], atol=1e-6), key
-    expected, got = final_weights(straight), final_weights(tmp_path)
-    assert all(torch.allclose(expected[name], got[name], atol=1e-6) for name in expected)
+    assert history(client, run, "val_loss") != history(client, run, "raw_val_loss")  # the averages scored, not the raw
+    for key in ("model", "ema"):
+        expected, got = final_weights(straight, key), final_weights(tmp_path, key)
+        assert all(torch.allclose(expected[name], got[name], atol=1e-6) for name in expected), key
+    trained, averaged = final_weights(tmp_path)["linear.weight"], final_weights(tmp_path, "ema")["linear.weight"]
+    assert not torch.allclose(trained, averaged)
 
 
 @pytest.mark.slow  # runs the command, which starts Ray

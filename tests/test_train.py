@@ -247,3 +247,33 @@ def test_early_stopping_stops_when_patience_runs_out_on_a_scripted_curve(lower_i
         best = 1 if lower_is_better else 2
         why = f"did not improve by more than 0.01 for 2 epoch(s) (best {curve[best]:.4g} after epoch {best + 1})"
         assert reasons[stop_after] == f"val_metric {why}"
+
+
+def test_the_average_moves_by_its_decay_each_step_and_the_model_holds_it_only_within_applied():
+    """Each average (BatchNorm's running mean too) moves 1 - decay of the way to the trained tensor, the decay warming
+    up as (1 + n) / (10 + n) over the first n steps; within
+    ``applied`` the model computes with the averages, after it with its trained weights, bit for bit."""
+    from pipeline.training.ema import Ema
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    ema = Ema(model, decay=0.75)
+    start = {name: t.clone() for name, t in ema.named().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].running_mean.add_(2.0)
+    ema.update(model)  # the first step's decay: 1 / 10
+    assert torch.allclose(ema.named()["0.weight"], start["0.weight"] + 0.9)
+    assert torch.allclose(ema.named()["1.running_mean"], start["1.running_mean"] + 1.8)
+    ema.updates = 1000  # warmed up: the decay itself
+    before = ema.named()["0.weight"].clone()
+    ema.update(model)
+    assert torch.allclose(ema.named()["0.weight"], 0.75 * before + 0.25 * model[0].weight)
+    assert "1.num_batches_tracked" not in ema.named()  # an integer buffer stays as trained
+
+    rows = torch.randn(5, 3)
+    trained = model.eval()(rows)
+    with ema.applied(model):
+        averaged = model(rows)
+        assert torch.equal(model[0].weight, ema.named()["0.weight"])
+    assert not torch.allclose(averaged, trained) and torch.equal(model(rows), trained)

@@ -87,12 +87,15 @@ def task_metric(task_type: str, name: str) -> Metric | None:
     return Metric(False, top_k(int(k.group(1)))) if k else None
 
 
-def epoch_metrics(task_type: str, names: list[str]) -> dict[str, Metric]:
+def epoch_metrics(task_type: str, names: list[str], other: str | None = None) -> dict[str, Metric]:
     """What every epoch of a run reports, in the order the console and MLflow show it: the losses, each
     of the task's metrics ``names`` (``task.metrics``) as ``val_<name>``, the counters (a classification's
-    with its ``label_mix``)."""
+    with its ``label_mix``); with ``train.ema``, the validation scores of the ``other`` weights
+    (:meth:`pipeline.config.TrainConfig.other_weights`) as ``<other>_val_<name>``."""
     declared = {f"val_{name}": task_metric(task_type, name) for name in names}
-    return {**LOSSES, **declared, **COUNTERS, **(MIXING if task_type == "classification" else {})}
+    scored = {**LOSSES, **declared}
+    others = {f"{other}_{key}": scored[key] for key in scored if key.startswith("val_")} if other else {}
+    return {**scored, **others, **COUNTERS, **(MIXING if task_type == "classification" else {})}
 
 
 def first_task_metric(names: list[str]) -> str:
@@ -107,4 +110,4 @@ def is_task_metric(key: str) -> bool:
 
 def lower_is_better(task_type: str, names: list[str], metric: str) -> bool:
     """Losses, errors and waiting improve downwards; accuracies, rows and throughput upwards."""
-    return epoch_metrics(task_type, names)[metric].lower_is_better
+    return epoch_metrics(task_type, names, metric.partition("_val_")[0] or None)[metric].lower_is_better

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import typing
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from pipeline.common.metrics import TASK_CHOICES, epoch_metrics, task_metric
 from pipeline.config.schema import (
     CONF_DIR,
     AmpDtype,
+    ExportFormat,
     FinetuneConfig,
     IngestConfig,
     OnMissing,
@@ -43,6 +45,8 @@ from pipeline.config.schema import (
     TransformsConfig,
 )
 from pipeline.config.targets import accepts, check_target, describe
+
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")  # torch.onnx's exporter, and the runtime the export is checked on
 
 
 def check_overrides(args: list[str]) -> None:
@@ -205,7 +209,7 @@ def check_values(cfg: PipelineConfig) -> None:
     """Values out of range and settings that contradict each other, section by section, and the transforms'
     ``_target_`` (cheap to import, and a bad argument there, such as ``on_error``, should fail before Ray
     starts): everything but the model's, optimizer's and scheduler's imports (:func:`check_targets`)."""
-    metrics = list(epoch_metrics(cfg.task.type, cfg.task.metrics))
+    metrics = list(epoch_metrics(cfg.task.type, cfg.task.metrics, cfg.train.other_weights()))
     _require(
         cfg.optimized_metric in metrics,
         f"optimized_metric must be one of {', '.join(metrics)}, got {cfg.optimized_metric!r}.",
@@ -289,6 +293,20 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
         "train.checkpoint_every=null as well to keep every epoch's checkpoint and none within an epoch.",
     )
     _require(train.stop_grace_s >= 0, f"train.stop_grace_s must be >= 0, got {train.stop_grace_s}.")
+    _require(
+        train.ema is None or 0 < train.ema < 1,
+        f"train.ema is the average's decay per optimizer step, between 0 and 1 (0.999: about the last 1,000 steps), "
+        f"or null for none; got {train.ema}.",
+    )
+    missing = [
+        name for name in ONNX_PACKAGES if ExportFormat.onnx in train.export and not importlib.util.find_spec(name)
+    ]
+    _require(
+        not missing,
+        f"train.export lists onnx, which needs the packages {', '.join(ONNX_PACKAGES)} (exporting and checking the "
+        f"export); {', '.join(missing)} not installed here. Install them with pip install '.[onnx]' (or "
+        "pip install onnx onnxscript onnxruntime), or leave onnx out: train.export=[torch_export].",
+    )
     scale = finetune.backbone_lr_scale
     _require(scale >= 0, f"finetune.backbone_lr_scale must be >= 0, got {scale}.")
 

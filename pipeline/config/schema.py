@@ -38,6 +38,7 @@ CompileMode = Choice(  # torch.compile's modes
     "CompileMode", {name: name for name in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 )
 CheckpointUpload = Choice("CheckpointUpload", {name: name for name in ("async", "sync")})
+ExportFormat = Choice("ExportFormat", {name: name for name in ("torch_export", "onnx")})
 
 
 @dataclass(kw_only=True)
@@ -159,6 +160,22 @@ class TrainConfig:
     # 3 s: RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")
     checkpoint_on_stop: bool = True
     stop_grace_s: float = 2.0
+    # the best model's serving files, in its LoggedModel's export/ (docs/models.md, "Exporting"), each checked
+    # against the eager model: torch_export (a .pt2 program: torch alone loads it, no pickle, the same kernels) and
+    # onnx (for runtimes outside Python; needs pip install '.[onnx]'); []: none
+    export: list[ExportFormat] = field(default_factory=lambda: [ExportFormat.torch_export])
+    # an exponential moving average of the weights on each worker, after every optimizer step: its decay (0.999:
+    # about the last 1,000 steps' weights), validated and checkpointed beside the trained weights; null: off
+    ema: Optional[float] = None
+    # with ema: the averages are the run's model (its val_* scores, the best checkpoint, the logged models and what
+    # predict reads), the trained weights' scores raw_val_*; false: the trained weights are, the averages' ema_val_*
+    ema_model: bool = True
+
+    def other_weights(self) -> str | None:
+        """With ``ema``, the prefix of the scores of the weights that are not the run's model (``raw``, ``ema``)."""
+        if self.ema is None:
+            return None
+        return "raw" if self.ema_model else "ema"
 
     def step_checkpoints(self) -> tuple[int | None, float | None]:
         """``checkpoint_every`` as (optimizer steps, seconds), one of them set, or (None, None) when off."""

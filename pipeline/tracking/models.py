@@ -29,6 +29,7 @@ from mlflow.models import Model, infer_signature
 from pipeline.common.errors import PipelineError, redact
 from pipeline.common.workarounds import global_tracking_uri, import_mlflow_pytorch
 from pipeline.config import PipelineConfig
+from pipeline.tracking import export
 from pipeline.training import checkpoint
 from pipeline.training.scaling import feature_scaler
 
@@ -40,6 +41,7 @@ WEIGHTS_FILE = "state_dict.pt"  # a logged model's weights as a state dict
 CHECKPOINT_TAG = "pipeline.checkpoint"  # on a LoggedModel: the checkpoint it was made from, in the run's storage
 EPOCH_TAG = "pipeline.epoch"  # on a LoggedModel: the epoch (its step in the run)
 BEST_MODEL_TAG = "pipeline.model_id"  # on a run: its best LoggedModel, the weights of its model/state_dict.pt
+MODEL_ERROR_TAG = "pipeline.model_error"  # on a LoggedModel holding weights alone (and its run): why
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,20 @@ class Scaled(torch.nn.Module):
         return self.model(self.scale(features))
 
 
+def served_model(cfg: PipelineConfig, state: dict) -> Scaled:
+    """A checkpoint's model (``state``: :func:`pipeline.training.checkpoint.load_whole`'s) behind the scaling it was
+    trained with, on the CPU, in eval mode: what a LoggedModel and its exports hold."""
+    model = instantiate(cfg.model, _convert_="all")
+    model.load_state_dict(checkpoint.handed_on(state))
+    scale = feature_scaler(cfg.ingest.normalize, state["feature_statistics"], torch.device("cpu"))
+    return Scaled(model, scale).eval()
+
+
 def log_checkpoint(client: MlflowClient, run_id: str, cfg: PipelineConfig, local: str, kept: Kept) -> None:
     """The checkpoint in the local directory ``local`` as the LoggedModel ``kept.model_id`` (made by
     :func:`start_model`): pt2 program, signature, input example, weights; READY once its files are in."""
     state = checkpoint.load_whole(local, "tracking.log_model")
-    model = instantiate(cfg.model, _convert_="all")
-    model.load_state_dict(state["model"])
-    scale = feature_scaler(cfg.ingest.normalize, state["feature_statistics"], torch.device("cpu"))
-    served, example = Scaled(model, scale).eval(), state["input_example"]
+    served, example = served_model(cfg, state), state["input_example"]
     with torch.no_grad():
         signature = infer_signature(example.numpy(), served(example).numpy())
     metadata = {"task": str(cfg.task.type), "feature": cfg.source.feature_column, "epoch": kept.epoch}
@@ -77,7 +85,7 @@ def log_checkpoint(client: MlflowClient, run_id: str, cfg: PipelineConfig, local
         metadata["classes"] = state["classes"]  # output i is classes[i]
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, WEIGHTS_FILE)
-        torch.save(state["model"], weights)
+        torch.save(checkpoint.handed_on(state), weights)
         files = os.path.join(tmp, "model")
         mlflow_pytorch.save_model(
             served,
@@ -196,7 +204,7 @@ def log_model(client: MlflowClient, run_id: str, checkpoint_dir: str) -> None:
     state = checkpoint.load_whole(checkpoint_dir, "tracking.log_model")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, WEIGHTS_FILE)
-        torch.save(state["model"], path)
+        torch.save(checkpoint.handed_on(state), path)
         client.log_artifact(run_id, path, "model")
 
 
@@ -242,7 +250,7 @@ class CheckpointModels:
         """The pending LoggedModels get their files, once training has ended (``torch.export`` takes the GIL for
         seconds, which would slow training and the driver's answer to Ctrl-C). Those of checkpoints Ray Train no
         longer keeps (not in ``keep``, when given: ``train.num_to_keep``) are deleted, as are those whose
-        checkpoint is gone. A model that cannot be saved fails the run, naming the error."""
+        checkpoint is gone. A model MLflow cannot save as a program keeps its weights alone (:meth:`weights_only`)."""
         for kept in [k for k in self.kept if keep is not None and k.checkpoint not in keep]:
             self.forget(kept)
             self.kept.remove(kept)
@@ -252,16 +260,50 @@ class CheckpointModels:
                 self.forget(kept)
                 self.pending.remove(kept)
                 continue
-            try:
-                with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
+            with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
+                try:
                     log_checkpoint(self.client, self.run_id, self.cfg, local, kept)
-            except Exception as err:  # torch.export cannot trace every model
-                raise PipelineError(
-                    f"tracking.log_model: checkpoint-{kept.epoch} could not be saved as an MLflow model "
-                    f"({type(err).__name__}: {err}). Set tracking.log_model=false to train without logged models."
-                ) from err
+                except Exception as err:  # torch.export cannot trace every model: its weights alone, saying why
+                    self.weights_only(kept, local, err)
             self.pending.remove(kept)
             self.kept.append(kept)
+
+    def weights_only(self, kept: Kept, local: str, err: Exception) -> None:
+        """A checkpoint whose model MLflow's pt2 flavor cannot save (``torch.export`` cannot trace it): its
+        LoggedModel holds the weights alone (what prediction and fine-tuning read), and it and the run carry why."""
+        why = f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
+        log.warning(
+            "tracking.log_model: checkpoint-%d could not be saved as an MLflow model program (%s); its LoggedModel "
+            "holds the weights alone (%s: prediction, evaluation and fine-tuning read them), and mlflow.pyfunc cannot "
+            "load it. The run still finishes. torch.export's docs list what it cannot trace: data-dependent Python "
+            "control flow above all.",
+            kept.epoch,
+            why,
+            WEIGHTS_FILE,
+        )
+        state = checkpoint.load_whole(local, "tracking.log_model")
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(checkpoint.handed_on(state), os.path.join(tmp, WEIGHTS_FILE))
+            self.client.log_model_artifacts(kept.model_id, tmp)
+        self.client.set_logged_model_tags(kept.model_id, {MODEL_ERROR_TAG: why})
+        self.client.set_tag(self.run_id, MODEL_ERROR_TAG, f"checkpoint-{kept.epoch}: {why}")
+        self.client.finalize_logged_model(kept.model_id, "READY")
+
+    def export(self, kept: Kept, local: str) -> None:
+        """The best checkpoint (in the local directory ``local``) as ``train.export``'s files in its LoggedModel's
+        ``export/``, each checked against the eager model on the checkpoint's held-out validation rows; what each
+        format came to in the run's tag ``pipeline.export`` (a format that fails does not fail the run)."""
+        state = checkpoint.load_whole(local, "train.export")
+        served, example = served_model(self.cfg, state), state["input_example"]
+        held_out = state.get("held_out")
+        held_out = example if held_out is None else held_out  # a checkpoint from before held-out rows were kept
+        expects = export.expected_input(self.cfg, example, state["feature_statistics"], state["classes"])
+        with tempfile.TemporaryDirectory() as into:
+            came_to = export.export_model(served, example, held_out, self.cfg.train.export, into, expects)
+            self.client.log_model_artifacts(kept.model_id, into, export.EXPORT_DIR)
+        summary = "; ".join(f"{fmt}: {what}" for fmt, what in came_to.items())
+        self.client.set_tag(self.run_id, export.EXPORT_TAG, summary)
+        log.info("exported checkpoint-%d: %s", kept.epoch, summary)
 
     def forget(self, kept: Kept) -> None:
         """Delete a LoggedModel whose checkpoint is not kept (gone already: a delete the server cut off)."""
@@ -285,6 +327,8 @@ class CheckpointModels:
         job's version when it ends: sweep.py)."""
         with ray.train.Checkpoint(kept.checkpoint, filesystem).as_directory() as local:
             log_model(self.client, self.run_id, local)
+            if self.cfg.train.export:
+                self.export(kept, local)
         self.client.set_tag(self.run_id, BEST_MODEL_TAG, kept.model_id)
         if register_as is not None:
             version = register_model(self.client, self.run_id, register_as, alias, kept.model_id)

@@ -28,7 +28,9 @@ def flatten(node: object, prefix: str = "") -> dict[str, str]:
 
 
 def plain_value(value: object) -> object:
-    """A choice setting (an Enum) as its value, so the config dumps as plain YAML."""
+    """A choice setting (an Enum, or a list of them) as its value, so the config dumps as plain YAML."""
+    if isinstance(value, list):
+        return [plain_value(item) for item in value]
     return value.value if isinstance(value, enum.Enum) else value
 
 

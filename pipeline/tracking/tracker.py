@@ -39,7 +39,8 @@ class Tracker:
         self.resume_from = resume_from  # where a resumed run's checkpoints are
         delivery = Delivery(store.client, store.experiment_id, run_id, cfg, first_task_metric(task.metrics))
         self.record = RunRecord(store, run_id, delivery, cfg.tracking.server_wait_s)
-        self.epochs = EpochLog(self.record, list(epoch_metrics(task.type, task.metrics)), cfg.tracking)
+        metrics = list(epoch_metrics(task.type, task.metrics, cfg.train.other_weights()))
+        self.epochs = EpochLog(self.record, metrics, cfg.tracking)
         self.name = self.record.name
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
 

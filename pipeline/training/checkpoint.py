@@ -2,12 +2,12 @@
 read back. One module, so the writer and its readers cannot drift.
 
 A checkpoint is a directory holding ``checkpoint.pt``: a dict of tensors and plain values (the model's and
-optimizer's state dicts, the epoch, the features' statistics, the class names, an input example), always
-read with ``weights_only=True``; and ``report.json``, the epoch's metrics as rank 0 reported them with it,
-and the size every file was written at (a copy cut short by a stop is not taken for whole). A checkpoint taken
-within an epoch (``train.checkpoint_every``, a stop) says so in its report and keeps where the epoch stands in
-``position.pt``. A sharded model's
-checkpoint (``scaling.strategy=fsdp``) keeps its model and optimizer state in ``torch.distributed.checkpoint``
+optimizer's state dicts, the epoch, the features' statistics, the class names, an input example, 64 held-out
+validation rows, ``train.ema``'s averages), always read with ``weights_only=True``; and ``report.json``, the
+epoch's metrics as rank 0 reported them with it, and the size every file was written at (a copy cut short by a
+stop is not taken for whole). A checkpoint taken within an epoch (``train.checkpoint_every``, a stop) says so in
+its report and keeps where the epoch stands in ``position.pt``. A sharded model's checkpoint
+(``scaling.strategy=fsdp``) keeps its model, optimizer state and averages in ``torch.distributed.checkpoint``
 directories beside ``checkpoint.pt`` instead (:mod:`pipeline.training.parallel`), each rank's shards there.
 """
 
@@ -36,6 +36,9 @@ SIZE_KEY = "checkpoint_bytes"  # in the report of a checkpoint written before FI
 FILES_KEY = "checkpoint_files"  # in the report: every file of the checkpoint (all ranks'), and its size when whole
 SHARDED_KEY = "sharded"  # in a sharded checkpoint's state: the DCP directories that hold its model and optimizer
 SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
+EMA_KEY = "ema"  # train.ema's averages: a state dict in checkpoint.pt, or a sharded run's DCP directory beside it
+EMA_MODEL_KEY = "ema_model"  # in checkpoint.pt: whether the averages are the run's model (train.ema_model)
+EMA_UPDATES_KEY = "ema_updates"  # in checkpoint.pt: the steps the averages took (their warm-up's count)
 STEPS_KEY = "logged_steps"  # in the report: rank 0's step losses since the checkpoint before: [global step, loss, time]
 POSITION_FILE = "position.pt"  # beside it: the epoch's rows trained on (packed bits) and its figures so far
 
@@ -143,12 +146,21 @@ def load_whole(directory: str, key: str) -> dict:
     """A checkpoint of the run's own storage with its model's state dict whole: a sharded one's ``model/``
     shards gathered into one (on the driver: the logged models are made from these)."""
     state = load(directory, key, sharded=True)
-    if SHARDED_KEY in state:
+    for name in {"model", EMA_KEY} & set(state.get(SHARDED_KEY, ())):
         with tempfile.TemporaryDirectory() as tmp:
-            gathered = os.path.join(tmp, "model.pt")
-            dcp_to_torch_save(os.path.join(directory, SHARDED_DIRS[0]), gathered)
-            state["model"] = torch.load(gathered, weights_only=True)
+            gathered = os.path.join(tmp, f"{name}.pt")
+            dcp_to_torch_save(os.path.join(directory, name), gathered)
+            state[name] = torch.load(gathered, weights_only=True)
     return state
+
+
+def handed_on(state: dict) -> dict:
+    """The weights a whole checkpoint's ``state`` hands on (logged models, prediction, fine-tuning): the averages
+    where ``train.ema_model`` made them the run's model (the rest of the state dict, integer buffers, as trained),
+    else the trained weights."""
+    if state.get(EMA_MODEL_KEY) and EMA_KEY in state:
+        return {**state["model"], **state[EMA_KEY]}
+    return state["model"]
 
 
 def is_checkpoint(state: dict) -> bool:

@@ -94,7 +94,7 @@ def load_state(path: str, weights: str) -> dict[str, torch.Tensor]:
     """A state dict from ``path``: a bare one, or a pipeline checkpoint's ``model`` entry."""
     state = checkpoint.load(path, "finetune.weights")
     if checkpoint.is_checkpoint(state):
-        state = state["model"]
+        state = checkpoint.handed_on(state)
     if not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise PipelineError(f"finetune.weights: {path} ({weights}) holds no state dict (a mapping of name to tensor).")
     return state

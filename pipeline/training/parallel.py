@@ -224,6 +224,16 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
     set_state_dict(model, optimizer, model_state_dict=states["model"], optim_state_dict=states["optimizer"])
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], directory: str) -> None:
+    """Named tensors, sharded (DTensors) or not, as DCP into ``directory``: each rank writes its shards."""
+    dcp.save(tensors, checkpoint_id=directory)
+
+
+def load_tensors(tensors: dict[str, torch.Tensor], directory: str) -> None:
+    """The named tensors saved by :func:`save_tensors` on any number of workers, read into ``tensors`` in place."""
+    dcp.load(tensors, checkpoint_id=directory)
+
+
 def from_every_rank(value) -> list:
     """``value`` from every rank, in rank order (``[value]`` outside a process group)."""
     if world_size() == 1:

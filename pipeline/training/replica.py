@@ -5,6 +5,7 @@ and restore. The loop that drives it is :mod:`pipeline.training.worker`."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from pipeline.config import OnNonfinite, PipelineConfig, Strategy
 from pipeline.data.source import Layout
 from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.early_stop import EarlyStopping
+from pipeline.training.ema import Ema
 from pipeline.training.finetune import Initial
 from pipeline.training.precision import autocast_settings
 from pipeline.training.scaling import feature_scaler
@@ -41,6 +43,9 @@ class Replica:
     grad_clip: float | None  # train.grad_clip
     on_nonfinite: OnNonfinite  # train.on_nonfinite: raise or skip
     example: torch.Tensor | None = None  # two training rows' features, unscaled: the logged models' input example
+    held_out: torch.Tensor | None = None  # up to 64 validation rows' features, unscaled: what exports are checked on
+    ema: Ema | None = None  # train.ema's averages of the weights
+    ema_model: bool = True  # train.ema_model: the averages are the run's model
 
     @classmethod
     def build(
@@ -74,6 +79,8 @@ class Replica:
             scheduler = schedule(
                 optimizer=optimizer, total_steps=total_steps, **finetune.scaled_schedule(cfg.scheduler, optimizer)
             )
+        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        ema = Ema(module, cfg.train.ema) if cfg.train.ema is not None else None
         autocast, scaler = autocast_settings(device, cfg.train)
         if cfg.scaling.strategy == Strategy.fsdp:  # FSDP's mixed-precision policy casts instead
             autocast = torch.autocast(device.type, enabled=False)
@@ -89,6 +96,8 @@ class Replica:
             layout=Layout.of(cfg.source),
             grad_clip=cfg.train.grad_clip,
             on_nonfinite=cfg.train.on_nonfinite,
+            ema=ema,
+            ema_model=cfg.train.ema_model,
         )
 
     @property
@@ -121,6 +130,8 @@ class Replica:
             self.scaler.update()
             if self.scheduler is not None:
                 self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         return taken
 
@@ -130,6 +141,8 @@ class Replica:
         sharded = parallel.is_sharded(self.model)
         if sharded:
             parallel.save_shards(self.model, self.optimizer, directory)
+            if self.ema is not None:
+                parallel.save_tensors(self.ema.named(), os.path.join(directory, checkpoint.EMA_KEY))
         if rank != 0:
             return
         state = {
@@ -139,11 +152,16 @@ class Replica:
             "feature_statistics": self.statistics,  # predict standardizes features with these
             "classes": self.layout.classes,  # the class names, index order, where labels are names
             "input_example": self.example,
+            "held_out": self.held_out,
         }
         if sharded:
-            state[checkpoint.SHARDED_KEY] = list(checkpoint.SHARDED_DIRS)
+            state[checkpoint.SHARDED_KEY] = [*checkpoint.SHARDED_DIRS, *([checkpoint.EMA_KEY] if self.ema else [])]
         else:
             state |= {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+            if self.ema is not None:
+                state[checkpoint.EMA_KEY] = self.ema.state_dict()
+        if self.ema is not None:
+            state[checkpoint.EMA_MODEL_KEY], state[checkpoint.EMA_UPDATES_KEY] = self.ema_model, self.ema.updates
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if stopper is not None:
@@ -165,10 +183,25 @@ class Replica:
             else:
                 self.module.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
+            if self.ema is not None:
+                self.restore_ema(state, path)
         self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"].cpu())
         if state.get("input_example") is not None:  # a run resumed at its epoch's last step trains no batch in it
             self.example = state["input_example"].cpu()
+        if state.get("held_out") is not None:  # nor validates before its checkpoint
+            self.held_out = state["held_out"].cpu()
         return state
+
+    def restore_ema(self, state: dict, path: str) -> None:
+        """The averages as the checkpoint at ``path`` holds them; a checkpoint without them (a run that turns
+        ``train.ema`` on when resumed) starts them at the restored weights."""
+        if checkpoint.EMA_KEY in state.get(checkpoint.SHARDED_KEY, ()):
+            parallel.load_tensors(self.ema.named(), os.path.join(path, checkpoint.EMA_KEY))
+        elif checkpoint.EMA_KEY in state:
+            self.ema.load_state_dict(state[checkpoint.EMA_KEY])
+        else:
+            self.ema = Ema(self.module, self.ema.decay)
+        self.ema.updates = state.get(checkpoint.EMA_UPDATES_KEY, 0)

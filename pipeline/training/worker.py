@@ -18,7 +18,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +48,7 @@ PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
 # Logged steps every checkpoint's report keeps, however many checkpoints came since: past the seconds Ray's workers
 # train on once the driver died with its machine (3-4 s in tests/test_preemption.py; a minute at most there)
 CARRY_S = 300.0
+HELD_OUT_ROWS = 64  # validation rows each checkpoint keeps, for train.export to check the exported files on
 
 
 @dataclass(kw_only=True)
@@ -245,31 +246,60 @@ def train_epoch(
 
 @torch.no_grad()
 def validate(replica: Replica, batches: Iterable[dict], stop: threading.Event | None = None) -> dict | None:
-    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided. None
-    when ``stop`` was set while a worker read its batches (the command is stopping: every rank agrees first)."""
+    """Loss and the task's metrics over every worker's shard: sums and counts are all-reduced, then divided; with
+    ``train.ema``, the averaged weights' too, on the same batches (:func:`scored_weights`). None when ``stop`` was
+    set while a worker read its batches (the command is stopping: every rank agrees first)."""
     features, labels = replica.layout.model_input, replica.layout.label
     model, task = replica.module.eval(), replica.task
     rank0_buffers(model)
     device = next(model.parameters()).device
     declared = {"loss": LOSSES["val_loss"], **task.metrics}  # how each sum finishes (pipeline.common.metrics)
-    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in declared}
+    weights = scored_weights(replica)
+    sums = {
+        (prefix, name): torch.zeros((), dtype=torch.float64, device=device) for prefix in weights for name in declared
+    }
     count = 0
+    held_out = [] if replica.held_out is None else None  # rows never trained on, for train.export's check
     for batch in batches:
-        with replica.autocast:
-            outputs = model(replica.scale(batch[features]))
+        if held_out is not None and sum(map(len, held_out)) < HELD_OUT_ROWS:
+            held_out.append(batch[features][:HELD_OUT_ROWS].cpu())
         rows = len(batch[labels])
-        sums["loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
-        for name, value in task.sums(outputs, batch[labels]).items():
-            sums[name] += value.double()
+        for prefix, applied in weights.items():
+            with applied(), replica.autocast:
+                outputs = model(replica.scale(batch[features]))
+            sums[prefix, "loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
+            for name, value in task.sums(outputs, batch[labels]).items():
+                sums[prefix, name] += value.double()
         count += rows
         if stop is not None and stop.is_set():
             break
     parallel.reshard(model)
+    if held_out:
+        replica.held_out = torch.cat(held_out)[:HELD_OUT_ROWS]
     if stop is not None and sum_over_workers([stop.is_set()], device)[0]:
         return None
     *totals, count = sum_over_workers([value.item() for value in sums.values()] + [count], device)
-    values = {f"val_{name}": declared[name].value(total, count) for name, total in zip(sums, totals)}
+    values = {f"{prefix}val_{name}": declared[name].value(total, count) for (prefix, name), total in zip(sums, totals)}
     return values | {"val_rows": int(count)}
+
+
+def scored_weights(replica: Replica) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """The weights validation scores, by the prefix of their metrics, each as a context in which the model holds
+    them: the trained ones (``val_*``); with ``train.ema`` the averages too, which are ``val_*`` when they are the run's
+    model (``train.ema_model``; the trained ones then ``raw_val_*``), else ``ema_val_*``."""
+    ema, model = replica.ema, replica.module
+    if ema is None:
+        return {"": contextlib.nullcontext}
+
+    @contextlib.contextmanager
+    def averages() -> Iterator[None]:
+        with ema.applied(model):
+            rank0_buffers(model)  # the averaged BatchNorm statistics rank 0 checkpoints
+            yield
+
+    if replica.ema_model:
+        return {"": averages, "raw_": contextlib.nullcontext}
+    return {"": contextlib.nullcontext, "ema_": averages}
 
 
 def rank0_buffers(model: torch.nn.Module) -> None:
