@@ -3,6 +3,8 @@
     import pipeline
     result = pipeline.train("cifar_vit_cpu", overrides=["optim.lr=1e-3"])
     result.run_id, result.metrics["val_accuracy"], result.model_uri
+    frame = pipeline.predict(result.model_uri)              # the run's validation rows: label, prediction, ...
+    pipeline.evaluate(result.model_uri, "/data/holdout")   # a nested run with the confusion matrix
 
 ``python -m pipeline`` hands the config Hydra composed from its command line to the same :func:`run_job`.
 """
@@ -45,6 +47,49 @@ def train(experiment: str | None = None, overrides: Sequence[str] = (), run_dir:
     cfg = hydra_config([*chosen, *overrides])
     run_dir = run_dir or os.path.join(cfg.paths.outputs, "runs", time.strftime("%Y-%m-%d/%H-%M-%S"))
     return run_job(cfg, Job(run_dir, experiment or "default", overrides=[*chosen, *overrides], started_at=time.time()))
+
+
+def predict(model: str, source=None, *, overrides: Sequence[str] = (), run_dir: str | None = None):
+    """``model``'s predictions as ``stage=predict`` makes them, as a pandas DataFrame in the rows' order: ``path``,
+    ``prediction`` (a class name where labels are names), ``confidence`` for classification, and the label where the
+    rows have one; ``frame.attrs["run_id"]`` is the prediction's MLflow run, nested under the training run.
+    ``model``: a training run's id or an MLflow model URI (``models:/NAME@ALIAS``, ``runs:/RUN_ID/model``).
+    ``source``: parquet (a directory, file, glob or ``s3://`` URI) or an in-memory table (pandas, pyarrow) with the
+    run's feature column; None: the run's ``source.test``, else its validation split. ``overrides``: the caller's
+    ``predict.*``, ``tracking.*``, ``ray.*`` and ``scaling.*`` settings; the rest is the training run's logged
+    config. Mistakes raise :class:`pipeline.common.errors.PipelineError` before Ray starts."""
+    from pipeline.jobs import predict as job
+
+    result, cfg = score(Stage.predict, model, source, overrides, run_dir)
+    frame = job.written(result.predictions, cfg.source.s3).to_pandas()
+    frame.attrs["run_id"] = result.run_id
+    return frame
+
+
+def evaluate(model: str, source=None, *, overrides: Sequence[str] = (), run_dir: str | None = None):
+    """``model`` scored as ``stage=evaluate`` scores it, over labelled rows (``source`` as :func:`predict` takes
+    it): a :class:`pipeline.jobs.job.JobResult` with the evaluation's MLflow run (nested under the training run, with
+    the confusion matrix or the residuals) and its metrics (``predict_accuracy``, ``macro_f1``, ...)."""
+    return score(Stage.evaluate, model, source, overrides, run_dir)[0]
+
+
+def score(stage: Stage, model: str, source, overrides: Sequence[str], run_dir: str | None):
+    """A predict or evaluate job for ``model`` over ``source`` (:func:`predict`), run in this process; its result
+    and config."""
+    from dataclasses import replace
+
+    from pipeline.jobs import predict as job
+    from pipeline.jobs.job import Job
+    from pipeline.runtime import checks
+
+    caller = load(hydra_config([f"stage={stage}", *overrides]))  # the store, Ray and predict settings
+    cfg, experiment = job.model_config(caller, model)
+    run_dir = run_dir or os.path.join(cfg.paths.outputs, "runs", time.strftime("%Y-%m-%d/%H-%M-%S"))
+    if source is not None and not isinstance(source, str):
+        source = job.table_source(source, os.path.join(run_dir, "rows"))
+    cfg = replace(cfg, predict=replace(cfg.predict, source=source or cfg.predict.source))
+    checks.check_outlives_job(cfg)
+    return job.run(cfg, Job(run_dir, experiment, overrides=list(overrides), started_at=time.time())), cfg
 
 
 def typed_config(raw: DictConfig) -> PipelineConfig:

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import descendants, free_port, in_process, write_split
+from exported import best_model_exports
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from omegaconf import OmegaConf
@@ -438,29 +439,93 @@ def test_missing_column_fails_naming_file_and_column(tmp_path):
     assert no_runs_logged(tmp_path)
 
 
+# A notebook's session, in a plain Python process outside the repo: train, predict over the run's validation rows
+# and over rows in memory, evaluate, and a mistake; what it saw, as JSON
+FROM_PYTHON = """
+import json, sys
+import pyarrow.parquet as pq
+import pipeline
+from pipeline.common.errors import PipelineError
+
+result = pipeline.train("smoke", ["train.epochs=1", "scaling.num_workers=1", "train.export=[torch_export,onnx]"])
+frame = pipeline.predict(result.model_uri)
+rows = pq.read_table(sys.argv[1]).slice(0, 20).to_pandas()
+in_memory = pipeline.predict(result.run_id, rows)
+evaluated = pipeline.evaluate(result.run_id)
+try:
+    pipeline.predict("no-such-run")
+except PipelineError as err:
+    mistake = str(err)
+print(json.dumps({
+    "run_id": result.run_id, "metrics": result.metrics, "model_uri": result.model_uri, "columns": list(frame.columns),
+    "accuracy": float((frame["prediction"] == frame["label"]).mean()), "rows": len(frame),
+    "predicted": frame.attrs["run_id"], "in_memory": in_memory["label"].tolist(), "labels": rows["label"].tolist(),
+    "evaluated": evaluated.run_id, "evaluation": evaluated.metrics, "mistake": mistake,
+}))
+"""
+
+
 @pytest.mark.slow
-def test_pipeline_train_from_python_returns_the_run_its_metrics_and_its_model(tmp_path, data_root, monkeypatch):
-    """The notebook's way in: ``pipeline.train`` runs the job as the command line does, in this process, and
-    hands back the MLflow run, its last epoch's metrics and its best model, which MLflow alone loads."""
+def test_from_a_python_process_a_run_trains_predicts_its_validation_accuracy_evaluates_and_exports(
+    tmp_path, data_root, monkeypatch
+):
+    """The notebook's way in (``pipeline.train``, ``predict``, ``evaluate``), in a plain Python process outside the
+    repo: the run, its last epoch's metrics and its best model, which MLflow alone loads; predictions whose accuracy
+    is the run's val_accuracy, in the rows' order for rows in memory; an evaluation nested under the run with its
+    confusion matrix; and the ViT's exported files matching the eager model in a process without this repo."""
     import mlflow.pytorch
 
     import pipeline
 
-    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # a notebook's store: the run's, and where MLflow loads from
-    result = pipeline.train("smoke", [f"paths.outputs={tmp_path}", "train.epochs=1", "scaling.num_workers=1"])
+    env = {**cli_env(data_root), "MLFLOW_TRACKING_URI": uri}  # a notebook's store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # where MLflow loads the model from, here
+    valid = data_root / "cifar10" / "test" / "part-00000.parquet"
+    completed = subprocess.run(
+        [sys.executable, "-c", FROM_PYTHON, str(valid)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    seen = json.loads(completed.stdout.splitlines()[-1])
     client = MlflowClient(uri)
-    run = client.get_run(result.run_id)
+    run = client.get_run(seen["run_id"])
     assert (
         run.info.status == "FINISHED" and run.info.experiment_id == client.get_experiment_by_name("smoke").experiment_id
     )
     assert {k: run.data.metrics[k] for k in ("train_loss", "val_loss", "val_accuracy")} == {
-        k: result.metrics[k] for k in ("train_loss", "val_loss", "val_accuracy")
+        k: seen["metrics"][k] for k in ("train_loss", "val_loss", "val_accuracy")
     }
     assert run.data.params["train.epochs"] == "1" and "train.epochs=1" in run.data.tags["pipeline.overrides"]
-    assert result.model_uri == f"models:/{run.data.tags['pipeline.model_id']}"
-    model = mlflow.pytorch.load_model(result.model_uri, map_location="cpu")
+    assert seen["model_uri"] == f"models:/{run.data.tags['pipeline.model_id']}"
+    model = mlflow.pytorch.load_model(seen["model_uri"], map_location="cpu")
     assert model(torch.zeros(2, 3, 32, 32, dtype=torch.uint8)).shape == (2, 10)
+
+    # predict: every validation row, its accuracy the run's; rows in memory come back in their order
+    assert seen["rows"] == run.data.metrics["val_rows"] == 256
+    assert seen["accuracy"] == run.data.metrics["val_accuracy"]
+    assert {"path", "prediction", "confidence", "label"} <= set(seen["columns"])
+    assert seen["in_memory"] == seen["labels"] and len(set(seen["labels"])) > 1
+    predicted = client.get_run(seen["predicted"])
+    assert predicted.data.tags["mlflow.parentRunId"] == run.info.run_id
+    assert predicted.data.metrics["predict_accuracy"] == run.data.metrics["val_accuracy"]
+
+    # evaluate: nested under the run, its confusion matrix and per-class table, as the command line makes them
+    evaluated = client.get_run(seen["evaluated"])
+    assert evaluated.data.tags["mlflow.parentRunId"] == run.info.run_id
+    assert evaluated.data.tags["pipeline.stage"] == "evaluate" and evaluated.info.run_name.startswith("evaluate: ")
+    assert {"confusion_matrix.png", "per_class.json"} <= {a.path for a in client.list_artifacts(evaluated.info.run_id)}
+    assert seen["evaluation"]["predict_accuracy"] == run.data.metrics["val_accuracy"]
+    assert "'no-such-run' is neither a run id nor an MLflow model URI" in seen["mistake"]
+
+    # train.export: both files load without this repo and match the eager ViT on 64 held-out rows
+    checked, manifest = best_model_exports(client, run.info.run_id, tmp_path)
+    assert set(checked) == {"torch_export", "onnx"} and all(within for _, within in checked.values()), checked
+    assert manifest["checked"]["rows"] == 64 and manifest["input"] == {
+        "column": "image",
+        "dtype": "uint8",
+        "shape": ["batch", 3, 32, 32],
+    }
+    assert manifest["scaling_inside"]["normalize"]["mean"] == [0.5, 0.5, 0.5]
+    assert "torch_export: model.pt2: max |diff|" in run.data.tags["pipeline.export"]
+
     with pytest.raises(PipelineError, match="train.epoch=1: train has no key 'epoch'"):
         pipeline.train("smoke", ["train.epoch=1"])

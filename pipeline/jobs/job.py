@@ -42,6 +42,7 @@ class JobResult:
     run_id: str  # the job's MLflow run
     metrics: dict[str, float]  # a training run's last epoch; a prediction's scores
     model_uri: str | None = None  # a training run's best LoggedModel (``models:/ID``), when tracking.log_model
+    predictions: str | None = None  # a prediction's files: a directory, local or s3://
 
 
 def run_name(kind: str, number: int, experiment: str, overrides: list[str]) -> str:

@@ -45,7 +45,7 @@ from pipeline.jobs.job import JobResult
 from pipeline.runtime import checks, cluster
 from pipeline.runtime.filesystems import locate
 from pipeline.tracking import delivery, lineage, mlflow_store, models, run_config, scores, tracker
-from pipeline.training.checkpoint import is_checkpoint
+from pipeline.training.checkpoint import handed_on, is_checkpoint
 from pipeline.training.checkpoint import load as load_state
 from pipeline.training.precision import autocast_settings
 from pipeline.training.scaling import feature_scaler
@@ -111,26 +111,33 @@ def actor_options(predict: PredictConfig, use_gpu: bool) -> dict:
     }
 
 
+def model_run(client, model: str):
+    """The run that trained ``model``: an MLflow model URI's (``models:/NAME@ALIAS``, ``models:/NAME/VERSION``,
+    ``models:/MODEL_ID``, ``runs:/RUN_ID/model``), else the run of that id; None when no run has that id."""
+    if model.startswith(models.MODEL_URI_SCHEMES):
+        try:
+            return client.get_run(models.model_source(client, model)[0])
+        except MlflowException as err:
+            raise PipelineError(f"predict.run: no MLflow model {model} in this store ({err.message}).") from err
+    try:
+        return client.get_run(model)
+    except MlflowException:
+        return None
+
+
 def trained_run(client, experiment: str, name_or_id: str | None):
     """The run to predict with: ``name_or_id`` (an MLflow model URI, a run id, else the newest run of that
     name), or the experiment's newest finished training run."""
-    if name_or_id is not None and name_or_id.startswith(models.MODEL_URI_SCHEMES):
-        try:  # models:/NAME@ALIAS, models:/NAME/VERSION, models:/MODEL_ID, runs:/RUN_ID/model: the run that logged it
-            return client.get_run(models.model_source(client, name_or_id)[0])
-        except MlflowException as err:
-            raise PipelineError(f"predict.run: no MLflow model {name_or_id} in this store ({err.message}).") from err
     if name_or_id is not None:
-        try:
-            return client.get_run(name_or_id)
-        except MlflowException:
-            found = mlflow_store.runs_where(
-                client, experiment, "run_name", name_or_id, order_by=["attributes.start_time DESC"], max_results=1
-            )
-            if not found:
-                raise PipelineError(
-                    f"predict.run: no run with the id or name {name_or_id!r} in this experiment."
-                ) from None
-            return found[0]
+        run = model_run(client, name_or_id)
+        if run is not None:
+            return run
+        found = mlflow_store.runs_where(
+            client, experiment, "run_name", name_or_id, order_by=["attributes.start_time DESC"], max_results=1
+        )
+        if not found:
+            raise PipelineError(f"predict.run: no run with the id or name {name_or_id!r} in this experiment.")
+        return found[0]
     finished = client.search_runs(
         [experiment],
         filter_string="attributes.status = 'FINISHED'",
@@ -177,12 +184,48 @@ def load_weights(client, run, checkpoint: str | None, uri: str | None = None) ->
             path = checkpoint
         state = load_state(path, "predict.checkpoint" if checkpoint else "predict.run")
         if is_checkpoint(state):
-            return state["model"], state.get("feature_statistics")
+            return handed_on(state), state.get("feature_statistics")
         statistics = None
         if run is not None and any(a.path == STATISTICS_ARTIFACT for a in client.list_artifacts(run.info.run_id)):
             with open(client.download_artifacts(run.info.run_id, STATISTICS_ARTIFACT, tmp)) as file:
                 statistics = json.load(file)
     return state, statistics
+
+
+def model_config(caller: PipelineConfig, model: str) -> tuple[PipelineConfig, str]:
+    """``pipeline.predict`` and ``pipeline.evaluate``'s config: the logged config of the run that trained ``model``
+    (a run id or an MLflow model URI), so its source's splits, steps, model and task, with the caller's stage,
+    ``predict``, ``tracking``, ``paths``, ``ray`` and ``scaling``; and the name of the run's experiment, where the
+    scoring run is nested under it."""
+    client, uri = mlflow_store.connect(caller.tracking.uri, caller.paths.outputs)
+    run = model_run(client, model)
+    if run is None:
+        raise PipelineError(
+            f"{caller.stage}: {model!r} is neither a run id nor an MLflow model URI in the store {redact(uri)}. Give "
+            "a training run's id (pipeline.train(...).run_id), its best model (runs:/RUN_ID/model, the result's "
+            "model_uri) or a registered one (models:/NAME@ALIAS, models:/NAME/VERSION); MLFLOW_TRACKING_URI or "
+            "tracking.uri=... names another store."
+        )
+    trained = run_config.logged_config(client, run.info.run_id)
+    scored = dataclasses.replace(
+        trained,
+        stage=caller.stage,
+        predict=dataclasses.replace(caller.predict, run=model),
+        tracking=caller.tracking,
+        paths=caller.paths,
+        ray=caller.ray,
+        scaling=caller.scaling,
+    )
+    return scored, client.get_experiment(run.info.experiment_id).name
+
+
+def table_source(table, directory: str) -> str:
+    """An in-memory table (pandas or pyarrow) written as one parquet file in ``directory``, for ``predict.source``."""
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    os.makedirs(directory, exist_ok=True)
+    pq.write_table(table, os.path.join(directory, "rows.parquet"))
+    return directory
 
 
 def check_output(uri: str, s3: S3Config) -> None:
@@ -196,10 +239,13 @@ def check_output(uri: str, s3: S3Config) -> None:
     fs.create_dir(path, recursive=True)
 
 
-def written(uri: str, s3: S3Config, label: str | None) -> pa.Table:
-    """The predictions (and labels) as written, read back."""
+def written(uri: str, s3: S3Config, columns: list[str] | None = None) -> pa.Table:
+    """The predictions as written (``columns`` of them; None: all), read back in the source's row order."""
     fs, path = locate(uri, s3, "predict.output")
-    return pq.read_table(path, filesystem=fs, columns=["prediction"] + ([label] if label else []))
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(path)) if i.path.endswith(".parquet"))
+    if not files:  # no rows, no files
+        return pa.table({column: pa.array([]) for column in columns or ["prediction"]})
+    return pa.concat_tables([pq.read_table(f, filesystem=fs, columns=columns) for f in files])
 
 
 def score(table: pa.Table, label: str | None, task: TaskConfig, seconds: float) -> dict:
@@ -262,7 +308,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
 
     if store.experiment_id is None:  # predicting from a checkpoint file starts the experiment
         store = mlflow_store.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
-    name = cfg.tracking.run_name or f"predict: {model_run.info.run_name if model_run else predict.checkpoint}"
+    name = cfg.tracking.run_name or f"{cfg.stage}: {model_run.info.run_name if model_run else predict.checkpoint}"
     parent = model_run.info.run_id if model_run else None
     tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output}
     run_id = tracker.Tracker.start(store, cfg, job, name, parent, tags).run_id
@@ -291,13 +337,15 @@ def run(cfg: PipelineConfig, job) -> JobResult:
             batch_format="numpy",
             **actor_options(predict, cfg.scaling.use_gpu),
         )
+        predictions.context.execution_options.preserve_order = True  # row i of the output is row i of the source
         fs, path = locate(output, src.s3, "predict.output")
         started = time.perf_counter()
         try:
             predictions.write_parquet(path, filesystem=fs)
         except (UserCodeException, RayTaskError) as err:  # a transform or the model failed on some rows
             raise PipelineError(f"prediction failed: {root_cause(err)}") from err
-        seconds, table = time.perf_counter() - started, written(output, src.s3, label)
+        seconds = time.perf_counter() - started
+        table = written(output, src.s3, ["prediction"] + ([label] if label else []))
         metrics = score(table, label, task_cfg, seconds)
         if cfg.stage == Stage.evaluate:  # where it errs: per class, or its residuals
             every = classes or list(range(trained_cfg.source.num_classes or 0))  # what the model can predict
@@ -308,4 +356,4 @@ def run(cfg: PipelineConfig, job) -> JobResult:
         )
     found = "".join(f", {k.removeprefix('predict_')} {v:.4f}" for k, v in metrics.items() if k not in NOT_TASK_METRICS)
     log.info("predicted %d rows%s; written to %s", metrics["predict_rows"], found, redact(output))
-    return JobResult(run_id, metrics)
+    return JobResult(run_id, metrics, predictions=output)
