@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import free_port, write_split
+from exported import best_model_exports
 from mlflow import MlflowClient
 from test_fault_tolerance import assert_each_epoch_once
 from test_pipeline import cli_env, no_runs_logged, run_cli
@@ -144,6 +145,7 @@ def test_photos_train_on_the_gpu_node_are_cropped_on_the_cpu_node_and_predicted_
             f"ray.address={cluster['address']}",
             f"storage.path={storage}",
             "tracking.run_name=on-cluster",
+            "train.export=[torch_export,onnx]",
             "hydra.run.dir=run",
         ],
         tmp_path,
@@ -162,6 +164,10 @@ def test_photos_train_on_the_gpu_node_are_cropped_on_the_cpu_node_and_predicted_
     assert {r["node_id"] for r in ranks} == {cluster["gpu_node"]}
     # the workers imported the pipeline the driver uploaded (ray.py_modules), not this checkout
     assert all("runtime_resources" in r["code"] and not r["code"].startswith(str(HERE.parent)) for r in ranks)
+    # the trained ResNet's exports load without this repo and match it on rank 0's validation photos
+    checked, manifest = best_model_exports(client, run.info.run_id, tmp_path / "exports")
+    assert set(checked) == {"torch_export", "onnx"} and all(within for _, within in checked.values()), checked
+    assert manifest["input"]["shape"] == ["batch", 3, 64, 64] and manifest["checked"]["rows"] > 0
 
     actors, tasks = since(before, state(cluster))  # this run's
     assert actors["RayTrainWorker"] == Counter({"gpu": 2})
