@@ -387,7 +387,7 @@ def test_an_epoch_resumed_from_a_checkpoint_within_it_reports_the_whole_epochs_f
 def test_each_checkpoint_keeps_the_logged_steps_of_the_last_minutes_and_since_the_checkpoint_before_the_last():
     """A driver killed with its machine leaves Ray's workers training for seconds, each checkpoint they take has Ray
     delete an older report: the newest report must still hold every step logged since the driver stopped logging."""
-    from pipeline.training.worker import CARRY_S, StepCheckpoints
+    from pipeline.training.reports import CARRY_S, StepCheckpoints
 
     def reports(age_s: float) -> list[list[int]]:
         checkpoints, at = StepCheckpoints(due=None, replica=None, stopper=None, cfg=None, rank=0), time.time() - age_s

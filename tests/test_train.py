@@ -19,9 +19,10 @@ from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ledger import Ledger
 from pipeline.training.precision import autocast_settings
 from pipeline.training.replica import Replica
+from pipeline.training.reports import StepCheckpoints
 from pipeline.training.resume import EpochSteps
 from pipeline.training.task import Task
-from pipeline.training.worker import StepCheckpoints, prefetched, train_epoch, validate
+from pipeline.training.worker import prefetched, train_epoch, validate
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 

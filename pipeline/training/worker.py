@@ -5,7 +5,7 @@ of each split with ``iter_torch_batches``, trains its DDP replica or FSDP shard 
 (:mod:`pipeline.training.parallel`), all-reduces the validation sums so every world size reports the same
 numbers for the same weights, and reports metrics plus a checkpoint once per epoch, its upload to storage
 overlapping the next epoch (``train.checkpoint_upload``); within an epoch too, every ``train.checkpoint_every`` and
-on a stop with notice (:class:`StepCheckpoints`). Where a restarted or resumed worker group continues is
+on a stop with notice (:mod:`pipeline.training.reports`). Where a restarted or resumed worker group continues is
 :mod:`pipeline.training.resume`'s; what the driver does meanwhile, :mod:`pipeline.training.trainer`'s.
 """
 
@@ -15,12 +15,11 @@ import contextlib
 import hashlib
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,25 +28,22 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.train import CheckpointUploadMode
 
 from pipeline.common.metrics import LOSSES
-from pipeline.config import CheckpointUpload, OnNonfinite, PipelineConfig, TaskType, TransformSpec
+from pipeline.config import OnNonfinite, PipelineConfig, TaskType, TransformSpec
 from pipeline.data.source import Layout
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import checkpoint, parallel, preemption
+from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
-from pipeline.training.events import STEP_KEY, CheckpointRestored, StepCheckpointed, StepTaken, WorkerStarted
+from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.training.feed import Feed
 from pipeline.training.ledger import Ledger
 from pipeline.training.replica import Replica
+from pipeline.training.reports import StepCheckpoints, report
 from pipeline.training.resume import EpochSteps, restore_point, steps_per_epoch
 from pipeline.training.telemetry import EpochTelemetry, sum_over_workers
 
 PROGRESS_INTERVAL_S = 1.0  # how often rank 0 sends the driver its step and loss
-# Logged steps every checkpoint's report keeps, however many checkpoints came since: past the seconds Ray's workers
-# train on once the driver died with its machine (3-4 s in tests/test_preemption.py; a minute at most there)
-CARRY_S = 300.0
 HELD_OUT_ROWS = 64  # validation rows each checkpoint keeps, for train.export to check the exported files on
 
 
@@ -309,99 +305,6 @@ def rank0_buffers(model: torch.nn.Module) -> None:
     if parallel.world_size() > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def report(
-    metrics: dict,
-    replica: Replica,
-    epoch: int,
-    stopper: EarlyStopping | None,
-    rank: int,
-    upload: str,
-    *,
-    steps: list[tuple[int, float, float]],
-    position: tuple[np.ndarray, dict] | None = None,
-) -> None:
-    """``ray.train.report`` (a barrier: every rank calls it once per epoch, and at each checkpoint within it) with
-    the checkpoint, written to a local directory that Ray Train uploads to storage and then deletes: with
-    ``upload`` async (``train.checkpoint_upload``) in a thread while training goes on. Every rank's files and their
-    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`), and
-    so do the epoch's logged ``steps`` (rank 0's). ``position``: a checkpoint within the epoch, the rows trained on
-    and the epoch's figures so far."""
-    directory = tempfile.mkdtemp(prefix="checkpoint-")
-    replica.save(directory, epoch, stopper, rank)
-    if position is not None and rank == 0:
-        checkpoint.write_position(directory, *position)
-    every_rank = parallel.from_every_rank(checkpoint.files(directory))
-    written = {name: size for files in every_rank for name, size in files.items()}
-    if rank == 0:
-        checkpoint.write_report(directory, metrics, written, steps)
-    saved = None
-    if os.listdir(directory):
-        saved = ray.train.Checkpoint.from_directory(directory)
-    else:  # a replica's rank other than 0: nothing to upload
-        os.rmdir(directory)
-    mode = CheckpointUploadMode.ASYNC if upload == CheckpointUpload["async"] else CheckpointUploadMode.SYNC
-    ray.train.report(metrics, checkpoint=saved, checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
-
-
-@dataclass(kw_only=True)
-class StepCheckpoints:
-    """A worker's checkpoints within an epoch (``train.checkpoint_every``, a stop with notice): when one is due
-    (:class:`pipeline.training.preemption.Due`), what it keeps, and the answer to the driver's notice."""
-
-    due: preemption.Due
-    replica: Replica
-    stopper: EarlyStopping | None
-    cfg: PipelineConfig
-    rank: int
-    logged: list[tuple[int, float, float]] = field(default_factory=list)  # rank 0's train_loss_step records
-    previous: int = -1  # the global step of the checkpoint before
-
-    def carried(self, global_step: int) -> list[tuple[int, float, float]]:
-        """The logged steps (global step, loss, time) a checkpoint at ``global_step`` keeps in its report, for the
-        driver to log any still on their way when it died: those since the checkpoint before the last (the last
-        one's report may be gone, Ray keeping ``train.num_to_keep``), and those of the last ``CARRY_S`` seconds
-        (Ray's workers and controller outlive a driver killed with its machine by seconds, and each checkpoint they
-        take in that time has Ray delete an older one)."""
-        carried = list(self.logged)
-        recent = time.time() - CARRY_S
-        self.logged = [record for record in self.logged if record[0] >= self.previous or record[2] >= recent]
-        self.previous = global_step
-        return carried
-
-    @property
-    def notice_seen(self) -> threading.Event | None:
-        """Set once the driver's notice is seen: validation stops reading at it, except a sharded model's (its
-        ranks gather each forward's weights together, so none may stop on its own)."""
-        return None if parallel.is_sharded(self.replica.model) else self.due.stopping
-
-    def taken(self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger]) -> bool:
-        """After the optimizer step ``step`` of ``epoch``: a checkpoint when one is due; True when the command is
-        stopping (it is saved, and the driver told)."""
-        due, stopping = self.due.check(global_step // self.cfg.train.accumulate)
-        if due:
-            self.save(epoch=epoch, step=step, global_step=global_step, within=within, stopping=stopping)
-        return stopping
-
-    def save(
-        self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger], stopping: bool = True
-    ) -> None:
-        """The checkpoint after ``step`` of ``epoch`` (a collective), the driver told when the command is stopping."""
-        train = self.cfg.train
-        telemetry, ledger = within
-        why = preemption.STOPPING if stopping else self.due.why  # a stop seen in validation comes after the last check
-        metrics = {"epoch": epoch, STEP_KEY: step, "global_step": global_step, "rank": self.rank, "why": why}
-        if train.checkpoint_metric is not None:
-            metrics[train.checkpoint_metric] = checkpoint.unscored(train, self.cfg.task)
-        upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
-        position = ledger.trained(), telemetry.carried()  # collectives: every rank
-        steps = self.carried(global_step)
-        report(metrics, self.replica, epoch, self.stopper, self.rank, upload, steps=steps, position=position)
-        self.due.saved()
-        if stopping and self.rank == 0 and self.due.notice is not None:  # the driver waits for it
-            saved = StepCheckpointed(epoch=epoch, step=step, global_step=global_step, checkpoint=None)
-            ray.get(self.due.notice.checkpointed.remote(saved))
 
 
 def train_batches(
