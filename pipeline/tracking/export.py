@@ -31,6 +31,11 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 Runner = Callable[[np.ndarray], np.ndarray]  # an exported file, loaded: features in, outputs out
 
 
+def reason(err: Exception) -> str:
+    """An exporter's error in one line: its type and its message's first line (torch.export's run to pages)."""
+    return f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
+
+
 def torch_export(served: torch.nn.Module, example: torch.Tensor, path: str) -> Runner:
     """A ``torch.export`` program (any batch size) saved as ``.pt2``: ``torch.export.load(path).module()``."""
     program = torch.export.export(served, (example,), dynamic_shapes=({0: Dim.AUTO},))
@@ -113,7 +118,7 @@ def export_model(
         except Exception as err:  # an exporter cannot take every model: the run still finishes, saying why
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-            why = f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
+            why = reason(err)
             came_to[fmt] = f"failed ({why})"
             log.warning(
                 "train.export: the best model could not be exported as %s (%s). The run still finishes, with its "

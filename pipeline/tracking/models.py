@@ -271,7 +271,7 @@ class CheckpointModels:
     def weights_only(self, kept: Kept, local: str, err: Exception) -> None:
         """A checkpoint whose model MLflow's pt2 flavor cannot save (``torch.export`` cannot trace it): its
         LoggedModel holds the weights alone (what prediction and fine-tuning read), and it and the run carry why."""
-        why = f"{type(err).__name__}: {(str(err).strip() or '?').splitlines()[0]}"
+        why = export.reason(err)
         log.warning(
             "tracking.log_model: checkpoint-%d could not be saved as an MLflow model program (%s); its LoggedModel "
             "holds the weights alone (%s: prediction, evaluation and fine-tuning read them), and mlflow.pyfunc cannot "
