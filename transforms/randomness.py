@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 ROW = "_pipeline_row"  # the training split's row numbers: the key of each row's draws, and what the ledger counts
+EPOCH = "_pipeline_epoch"  # the training epoch a row was read for (pipeline.data.epochs), taken off by the steps
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

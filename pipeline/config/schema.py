@@ -37,6 +37,7 @@ Strategy = Choice("Strategy", {name: name for name in ("ddp", "fsdp")})
 CompileMode = Choice(  # torch.compile's modes
     "CompileMode", {name: name for name in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 )
+IngestEngine = Choice("IngestEngine", {name: name for name in ("ray_data", "pieces")})
 CheckpointUpload = Choice("CheckpointUpload", {name: name for name in ("async", "sync")})
 ExportFormat = Choice("ExportFormat", {name: name for name in ("torch_export", "onnx")})
 
@@ -268,6 +269,8 @@ class IngestConfig:
     # scale float features by the training split's per-feature mean and std (computed before training,
     # saved with the run and applied by predict too): for tables of numbers
     standardize: bool = False
+    # what reads an epoch that Ray Train splits: Ray Data's read tasks (pipeline.data.epochs) or the pieces engine
+    engine: IngestEngine = IngestEngine.ray_data
 
 
 @dataclass

@@ -61,6 +61,10 @@ class Coordinator:
         """Bytes read so far, and bytes of pieces fetched from other nodes, per node id."""
         return dict(self.read_bytes), dict(self.received_bytes)
 
+    def add_read(self, node: str, size: int) -> None:
+        """A read task of Ray Data's route (:mod:`pipeline.data.epochs`) read ``size`` bytes on ``node``."""
+        self.read_bytes[node] += size
+
     def received(self, node: str, size: int) -> None:
         """A gathering task on ``node`` had ``size`` bytes sent from other nodes (a part of theirs, gathered there)."""
         self.received_bytes[node] += size

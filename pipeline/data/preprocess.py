@@ -17,8 +17,8 @@ import ray.data
 from ray.exceptions import RayError
 
 from pipeline.common.errors import PipelineError, root_cause
-from pipeline.config import PipelineConfig, SourceConfig, TransformSpec
-from pipeline.data import cache, pieces, source, stream
+from pipeline.config import IngestEngine, PipelineConfig, SourceConfig, TransformSpec
+from pipeline.data import cache, epochs, pieces, source, stream
 from pipeline.data.cache_plan import CachePlan, cache_plan
 from pipeline.data.coordinator import Coordinator
 from pipeline.data.steps import (
@@ -63,6 +63,18 @@ class TrainingData:
         """The job is over: its coordinator goes, and with it its readers and the pieces they hold (the datasets'
         tasks end with their job)."""
         ray.kill(self.coordinator)
+
+    def reading(self, cfg: PipelineConfig) -> epochs.Reading:
+        """What the training workers read each split with (:mod:`pipeline.data.feed`)."""
+        layout = source.Layout.of(cfg.source)
+        return epochs.Reading(
+            epochs=self.coordinator,
+            on_device=self.on_device,
+            indexed=self.indexed,
+            columns=[layout.model_input, layout.label],
+            ingest=cfg.ingest,
+            seed=cfg.train.seed,
+        )
 
     def device_steps(self) -> str | None:
         """Which steps the training workers run on their device, per split (None: none do)."""
@@ -160,6 +172,25 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                 if indexed:
                     numbers = pieces.row_numbers(groups) if name == "train" else None
                     data.indexed[name] = cache.Indexed(cache=built, rows=split.rows, numbers=numbers)
+                elif ingest.engine == IngestEngine.ray_data:
+                    parts = epochs.numpy_parts(
+                        [[built.pieces[i] for i in piece] for piece in built.by_group],
+                        [group.rows for group in groups],
+                        [round(group.rows * plan.row_bytes[name]) for group in groups],
+                    )
+                    _, every_epoch = cached_steps(split.steps)
+                    data.datasets[name], tasks = read_epochs(
+                        parts,
+                        every_epoch,
+                        [],
+                        columns,
+                        cfg,
+                        epoch_actor=data.coordinator,
+                        seed=shuffle,
+                        numbers=pieces.row_numbers(groups) if name == "train" else None,
+                        on_device=data.on_device[name],
+                        where=read_placement(every_epoch),
+                    )
                 else:
                     data.datasets[name] = cached_dataset(
                         split,
@@ -171,6 +202,20 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                         on_device=data.on_device[name],
                         numbered=name == "train",
                     )
+            elif ingest.engine == IngestEngine.ray_data:
+                parts = epochs.row_groups(groups, split.filesystem, [*split.layout.inputs, *columns[1:]])
+                data.datasets[name], tasks = read_epochs(
+                    parts,
+                    streamed_steps(split.steps),
+                    read_steps(split),
+                    columns,
+                    cfg,
+                    epoch_actor=data.coordinator,
+                    seed=shuffle,
+                    numbers=pieces.row_numbers(groups) if name == "train" else None,
+                    on_device=data.on_device[name],
+                    where=read_placement(split.steps),
+                )
             else:
                 streaming = streamed_dataset(
                     split,
@@ -185,8 +230,11 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                 )
                 data.datasets[name], data.streams[name] = streaming
             if name == "train":
-                windows = (data.caches.get(name) or data.streams[name]).windows.later
-                homes = 1 if indexed else len(placeable_nodes(read_placement(split.steps))) or 1
+                if indexed or ingest.engine == IngestEngine.pieces:
+                    windows = (data.caches.get(name) or data.streams[name]).windows.later
+                    homes = 1 if indexed else len(placeable_nodes(read_placement(split.steps))) or 1
+                else:
+                    windows, homes = tasks, 1
                 data.mixing = mixing(groups, windows, shuffle, layout, cfg, homes)
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
@@ -247,6 +295,34 @@ def dataset(
     if source_cfg.task_per_file and blocks > len(split.files):  # few, large files: still several tasks at once
         ds = ds.repartition(blocks)
     return apply(ds, steps, columns)
+
+
+def read_epochs(
+    parts: epochs.Parts,
+    steps: dict[str, TransformSpec],
+    first: list,
+    columns: list[str],
+    cfg: PipelineConfig,
+    *,
+    epoch_actor,
+    seed: int | None,
+    numbers: np.ndarray | None,
+    on_device: dict[str, TransformSpec],
+    where: dict,
+) -> tuple[ray.data.Dataset, int]:
+    """A split's ``parts`` read anew every epoch by Ray Data's read tasks (:class:`pipeline.data.epochs.EpochSource`:
+    in an order drawn from ``seed`` and the epoch, rows numbered from ``numbers``), ``first`` and ``steps`` (but
+    those ``on_device``) run on them by ``map_batches`` tasks placed as ``where`` says (fused with the reads), in
+    blocks of one worker's batch; with it, how many read tasks an epoch has."""
+    block_rows = max(1, cfg.ingest.batch_size // cfg.scaling.max_workers)
+    cpus = sum(node["Resources"].get("CPU", 0) for node in placeable_nodes(where)) or 1
+    tasks = epochs.epoch_tasks(parts, int(cpus))
+    read = epochs.EpochSource(parts, epochs=epoch_actor, seed=seed, numbers=numbers, tasks=tasks, block_rows=block_rows)
+    then = Steps({n: s for n, s in steps.items() if n not in on_device}, first, keep=columns)
+    options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **where}
+    ds = ray.data.read_datasource(read, **where)
+    ds = ds.map_batches(then, batch_size=block_rows, **options).repartition(target_num_rows_per_block=block_rows)
+    return ds, read.tasks
 
 
 def streamed_dataset(

@@ -26,7 +26,7 @@ from hydra.utils import get_object, instantiate
 from pipeline.common.errors import PipelineError
 from pipeline.config import PredictConfig, TransformSpec
 from pipeline.data import source
-from pipeline.data.pieces import ROW
+from transforms.randomness import EPOCH, ROW
 from transforms.tabular import stack_features
 
 
@@ -66,6 +66,10 @@ class Steps:
         self.specs, self.first, self.keep, self.fns = specs, first, keep, None
 
     def __call__(self, batch: dict[str, np.ndarray], epoch: int | None = None) -> dict[str, np.ndarray]:
+        if EPOCH in batch:  # rows read for an epoch (pipeline.data.epochs)
+            batch = dict(batch)
+            read_for = batch.pop(EPOCH)
+            epoch = int(read_for[0]) if len(read_for) else epoch
         if self.fns is None:
             self.fns = [step_callable(spec) for spec in self.specs.values()]
         numbers = batch.get(ROW)

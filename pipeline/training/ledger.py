@@ -6,7 +6,7 @@ Each training batch carries its rows' numbers (:data:`pipeline.data.pieces.ROW`)
 training device (no sync per step). At a checkpoint the workers' counts are summed: a row counted once is trained
 on, and the epoch's rows packed as bits (a bit a row: 125 KB for a million rows) go in the checkpoint
 (:func:`pipeline.training.checkpoint.write_position`), which the resumed epoch's pass leaves out
-(:meth:`pipeline.data.coordinator.Coordinator.set_epoch`).
+(:meth:`pipeline.data.feed.Feed.train`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.pieces import ROW
 from pipeline.training.parallel import world_size
+from transforms.randomness import ROW
 
 
 class Ledger:

@@ -92,14 +92,12 @@ def build_trainer(
                 WorkerJob(
                     cfg=cfg,
                     events=events,
-                    coordinator=data.coordinator,
+                    reading=data.reading(cfg),
                     statistics=data.statistics,
                     train_rows=data.rows["train"],
                     initial=ray.put(initial) if initial is not None else None,
                     start=start,
                     storage=storage,
-                    on_device=data.on_device,
-                    indexed=data.indexed,
                     notice=notice,
                 )
             )

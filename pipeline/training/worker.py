@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -30,13 +29,12 @@ import torch
 import torch.distributed as dist
 
 from pipeline.common.metrics import LOSSES
-from pipeline.config import OnNonfinite, PipelineConfig, TaskType, TransformSpec
-from pipeline.data.source import Layout
+from pipeline.config import OnNonfinite, PipelineConfig, TaskType
+from pipeline.data.feed import Feed, Reading
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
-from pipeline.training.feed import Feed
 from pipeline.training.ledger import Ledger
 from pipeline.training.replica import Replica
 from pipeline.training.reports import StepCheckpoints, report
@@ -54,14 +52,12 @@ class WorkerJob:
 
     cfg: PipelineConfig
     events: Any  # the ray.util.queue.Queue the driver reads the workers' events from
-    coordinator: Any  # the job's data Coordinator: the epoch the seeded transforms read (pipeline.data.coordinator)
+    reading: Reading  # how this worker reads each split (pipeline.data.feed, the data layer's door)
     statistics: dict | None  # the features' mean and std, with ingest.standardize
     train_rows: int  # the training split's rows: each worker group splits them among its workers
     initial: ray.ObjectRef | None  # the weights training starts from (finetune.weights, matched), or None
     start: str | None  # FSDP: where every tensor the model starts from is, as DCP in the run's storage
     storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
-    on_device: dict[str, dict[str, TransformSpec]]  # split -> the steps this worker runs on its device (feed.py)
-    indexed: dict[str, list[ray.ObjectRef]]  # split -> its cache's pieces, where this worker gathers its rows (feed.py)
     notice: Any = None  # the driver's preemption.Notice: a stop with notice, answered with a checkpoint
 
 
@@ -69,7 +65,7 @@ def train_loop_per_worker(config: dict) -> None:
     """One worker's run: set up, restore, then per epoch: batches -> steps -> validate -> report."""
     phases = {"worker": time.time()}  # rank 0's start-up (pipeline.common.startup), sent with its first step
     job: WorkerJob = config["job"]
-    cfg, events, coordinator = job.cfg, job.events, job.coordinator
+    cfg, events = job.cfg, job.events
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic: this worker group's size
     steps = steps_per_epoch(job.train_rows, world_size, cfg.ingest.batch_size, cfg.ingest.drop_last)
@@ -77,13 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
         torch.set_num_threads(cfg.scaling.torch_threads)
     device = ray.train.torch.get_device()
     events.put(WorkerStarted(**where_this_runs(rank)))
-    layout = Layout.of(cfg.source)
-    feeds = {  # each split's batches, on this worker's device (feed.py)
-        split: Feed(
-            split, steps, device, cfg.ingest, indexed=job.indexed.get(split), columns=[layout.model_input, layout.label]
-        )
-        for split, steps in job.on_device.items()
-    }
+    feed = Feed(job.reading, device)  # each split's batches, on this worker's device
 
     restore = restore_point(job.storage)  # a restarted worker group, or a resumed run
     start, epochs = (restore.next_epoch if restore else 0), cfg.train.epochs
@@ -93,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
     # before the checkpoint within it
     trained = within.trained if within else None
     shard = {"rank": rank, "world": world_size}
-    first = train_batches(feeds["train"], cfg, start, coordinator, **shard, trained=trained) if start < epochs else ()
+    first = feed.train(epoch=start, **shard, trained=trained) if start < epochs else ()
     first_batches = prefetched(first)
     initial = ray.get(job.initial) if job.initial is not None else None  # finetune.weights, matched
     sharded = ray.train.Checkpoint(job.start, filesystem=job.storage.filesystem) if job.start else None
@@ -120,7 +110,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     for epoch in range(start, epochs):
         later = epoch != start
-        batches = train_batches(feeds["train"], cfg, epoch, coordinator, **shard) if later else first_batches
+        batches = feed.train(epoch=epoch, **shard) if later else first_batches
         resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
         ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
         trained = train_epoch(
@@ -139,7 +129,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         telemetry, step = trained
         metrics = telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
-        valid = feeds["valid"].batches(epoch=epoch, rank=rank, world_size=world_size, training=False)
+        valid = feed.valid(epoch=epoch, **shard)
         scores = validate(replica, valid, checkpoints.notice_seen)
         if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
             checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
@@ -305,24 +295,6 @@ def rank0_buffers(model: torch.nn.Module) -> None:
     if parallel.world_size() > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def train_batches(
-    feed: Feed,
-    cfg: PipelineConfig,
-    epoch: int,
-    coordinator,
-    *,
-    rank: int,
-    world: int,
-    trained: np.ndarray | None = None,
-) -> Iterator[dict]:
-    """This worker's training shard for ``epoch`` on its device (:class:`pipeline.training.feed.Feed`), without the
-    rows ``trained`` on before a resume. The epoch is set on the job's coordinator first, since the seeded transforms
-    of the pass read it (the pass starts once every worker has asked for it)."""
-    ray.get(coordinator.set_epoch.remote(epoch, trained))
-    seed = cfg.train.seed + epoch
-    return feed.batches(epoch=epoch, rank=rank, world_size=world, training=True, seed=seed, trained=trained)
 
 
 def weights_digest(model: torch.nn.Module) -> str:

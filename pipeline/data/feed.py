@@ -1,4 +1,5 @@
-"""Runs in every training worker: each split's shard as batches on the training device, the split's device steps
+"""Runs in every training worker, its one door to the data layer (:class:`Feed`, read as the driver's
+:class:`Reading` says): each split's shard of an epoch as batches on the training device, the split's device steps
 applied (:mod:`transforms.device`: the steps that run every epoch, on a GPU when the workers have one; which ones is
 the driver's :func:`pipeline.data.steps.device_split`).
 
@@ -36,9 +37,9 @@ import ray.train
 import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 
-from pipeline.config import IngestConfig, TransformSpec
 from pipeline.data import pieces
 from pipeline.data.cache import Cache, Indexed
+from pipeline.data.epochs import Reading  # what the driver hands the workers, with Feed their door
 from pipeline.data.steps import device_form, device_params
 from transforms.device import Ragged
 from transforms.randomness import ROW
@@ -94,60 +95,68 @@ class Collate(NumpyBatchCollateFn):
 
 
 class Feed:
-    """One split's batches for this worker (``split``: its name; ``indexed``: its cache, when the worker reads it
-    itself, keeping ``columns``), then the split's device steps (``steps``, built once here from their config)."""
+    """A training worker's door to the data layer: its share of each split's epoch as batches on its ``device``, as
+    the driver's ``reading`` says (:class:`pipeline.data.epochs.Reading`), each split's device steps built once here."""
 
-    def __init__(
-        self,
-        split: str,
-        steps: dict[str, TransformSpec],
-        device: torch.device,
-        ingest: IngestConfig,
-        *,
-        indexed: Indexed | None = None,
-        columns: list[str] | None = None,
-    ):
-        self.steps = [device_form(spec)(**device_params(spec)) for spec in steps.values()]
-        self.split, self.device, self.ingest, self.indexed, self.columns = split, device, ingest, indexed, columns
+    def __init__(self, reading: Reading, device: torch.device):
+        self.reading, self.device = reading, device
+        self.steps = {
+            split: [device_form(spec)(**device_params(spec)) for spec in steps.values()]
+            for split, steps in reading.on_device.items()
+        }
+
+    def train(self, *, epoch: int, rank: int, world: int, trained: np.ndarray | None = None) -> Iterator[dict]:
+        """Worker ``rank`` of ``world``'s share of the training split's ``epoch``, without the rows ``trained`` on
+        before a stop. The epoch is set on the job's :class:`pipeline.data.epochs.Epochs` first: Ray Data plans the
+        epoch's reads from it once every worker has asked (Ray Train's split)."""
+        ray.get(self.reading.epochs.set_epoch.remote(epoch, trained))
+        return self.batches("train", epoch=epoch, rank=rank, world=world, training=True, trained=trained)
+
+    def valid(self, *, epoch: int, rank: int, world: int) -> Iterator[dict]:
+        """Worker ``rank`` of ``world``'s share of the validation split, in its stored order."""
+        return self.batches("valid", epoch=epoch, rank=rank, world=world, training=False)
 
     def batches(
         self,
+        split: str,
         *,
         epoch: int,
         rank: int,
-        world_size: int,
+        world: int,
         training: bool,
-        seed: int | None = None,
         trained: np.ndarray | None = None,
         shard=None,
     ) -> Iterator[dict[str, Any]]:
-        """This worker's share of the split (``epoch``'s pass) as batches on the device, after the device steps,
-        without the rows ``trained`` on before a stop (an indexed split: Ray Data's passes leave them out as the job's
-        coordinator says). Training shuffles in a local buffer (Ray Data's shards) and drops its last partial batch
-        when ``ingest`` says so; validation never does. ``shard``: the Ray Data iterator to read (default: Ray
+        """This worker's share of ``split`` (``epoch``'s pass) as batches on the device, after the device steps,
+        without the rows ``trained`` on before a stop (an indexed split: Ray Data's passes leave them out, as the
+        job's epochs actor says). Training shuffles in a local buffer (Ray Data's shards) and drops its last partial
+        batch when ``ingest`` says so; validation never does. ``shard``: the Ray Data iterator to read (default: Ray
         Train's shard of the split)."""
-        ingest, collate = self.ingest, Collate(self.steps, epoch, self.device)
+        ingest, steps = self.reading.ingest, self.steps[split]
+        collate = Collate(steps, epoch, self.device)
         drop_last, threads = ingest.drop_last and training, max(1, ingest.prefetch_batches)
-        if self.indexed is not None:
-            rows = self.read(epoch, rank, world_size, trained, drop_last)
-            return ahead(rows, lambda batch: self.prepared(collate(batch)), threads)
+        if split in self.reading.indexed:
+            rows = self.read(self.reading.indexed[split], epoch, rank, world, trained, drop_last)
+            return ahead(rows, lambda batch: self.prepared(collate(batch), steps), threads)
         options = {
-            "batch_size": ingest.batch_size // world_size,
+            "batch_size": ingest.batch_size // world,
             "prefetch_batches": ingest.prefetch_batches,
             "local_shuffle_buffer_size": ingest.local_shuffle_buffer_size if training else None,
-            "local_shuffle_seed": seed,
+            "local_shuffle_seed": self.reading.seed + epoch,
             "drop_last": drop_last,
         }
-        shard = shard if shard is not None else ray.train.get_dataset_shard(self.split)
-        if not self.steps:
+        shard = shard if shard is not None else ray.train.get_dataset_shard(split)
+        if not steps:
             return shard.iter_torch_batches(**options, device=self.device, pin_memory=self.device.type == "cuda")
-        return ahead(shard.iter_torch_batches(**options, collate_fn=collate), self.prepared, threads)
+        collated = shard.iter_torch_batches(**options, collate_fn=collate)
+        return ahead(collated, lambda batch: self.prepared(batch, steps), threads)
 
     def read(
-        self, epoch: int, rank: int, world: int, trained: np.ndarray | None, drop_last: bool
+        self, indexed: Indexed, epoch: int, rank: int, world: int, trained: np.ndarray | None, drop_last: bool
     ) -> Iterator[dict[str, np.ndarray]]:
-        """This worker's batches of an indexed split, gathered from its cache's pieces (held, mapped, for the epoch)."""
-        indexed, batch = self.indexed, self.ingest.batch_size // world
+        """This worker's batches of an ``indexed`` split, gathered from its cache's pieces (held, mapped, for the
+        epoch)."""
+        batch = self.reading.ingest.batch_size // world
         left = indexed.rows - (int(np.unpackbits(trained).sum()) if trained is not None else 0)
         held: dict[ray.ObjectRef, dict[str, np.ndarray]] = {}
         refs: list[ray.ObjectRef] = []
@@ -169,13 +178,13 @@ class Feed:
             places.append(place)
             numbers.append(window.numbers[mine] if window.numbers is not None else place)
             while len(refs) >= batch:
-                yield self.gathered(held, refs[:batch], *cut(places, numbers, batch))
+                yield self.gathered(indexed, held, refs[:batch], *cut(places, numbers, batch))
                 refs = refs[batch:]
         if refs and not drop_last:
-            yield self.gathered(held, refs, *cut(places, numbers, len(refs)))
+            yield self.gathered(indexed, held, refs, *cut(places, numbers, len(refs)))
 
     def gathered(
-        self, held: dict, refs: list[ray.ObjectRef], place: np.ndarray, numbers: np.ndarray
+        self, indexed: Indexed, held: dict, refs: list[ray.ObjectRef], place: np.ndarray, numbers: np.ndarray
     ) -> dict[str, np.ndarray]:
         """The rows at ``place`` of the pieces ``refs`` (a row each), the split's ``columns`` and, for a numbered
         split, their numbers: the pieces are mapped from the object store once an epoch (``held``), and a ragged
@@ -184,15 +193,15 @@ class Feed:
         piece = np.array([keys.setdefault(ref, len(keys)) for ref in refs])
         missing = [ref for ref in keys if ref not in held]
         held.update(zip(missing, ray.get(missing)))
-        parts = {i: {name: held[ref][name] for name in self.columns} for ref, i in keys.items()}
+        parts = {i: {name: held[ref][name] for name in self.reading.columns} for ref, i in keys.items()}
         rows = Cache.take(parts, piece, place)
-        return rows | ({ROW: numbers} if self.indexed.numbers is not None else {})
+        return rows | ({ROW: numbers} if indexed.numbers is not None else {})
 
-    def prepared(self, collated: Collated) -> dict[str, Any]:
+    def prepared(self, collated: Collated, steps: list) -> dict[str, Any]:
         """A collated batch on the device, its device steps run (in a feed thread: on a GPU, launched on the stream
         the training step then uses)."""
         batch = {name: moved(value, self.device) for name, value in collated.batch.items()}
-        for step, params in zip(self.steps, collated.params):
+        for step, params in zip(steps, collated.params):
             batch = step(batch, params)
         return batch
 
