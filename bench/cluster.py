@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from report import data_dir, table, write
+from report import bench_env, data_dir, last_run, metric_history, table, write
 
 BENCH = Path(__file__).resolve().parent
 # --photos: photos of real sizes (bench/ingest.py's streamed set, 40,000 rows), the ImageNet steps
@@ -238,6 +238,80 @@ def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
         cluster.shutdown()
 
 
+def trained(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
+    """``--train``: the whole pipeline as a user runs it on a cluster of a training head and ``nodes`` preprocessing
+    nodes (``--photos``: the real-size photos, streamed, their steps pinned to the preprocessing nodes by label): its
+    driver a process of its own, one training worker of one CPU on the head, the probe model. Per epoch: samples/s,
+    rows trained and rows trained counted once by their numbers (the ledger); MiB spilled, read per node; with
+    ``--lose``, a preprocessing node removed halfway through epoch 1 and another added."""
+    from ray.cluster_utils import Cluster
+
+    store = settings.store
+    head = {"num_cpus": settings.head_cpus or 1, "object_store_memory": store, "labels": {"node-type": "train"}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    preprocessing = [
+        cluster.add_node(num_cpus=settings.cpus, object_store_memory=store, labels={"node-type": "cpu"})
+        for _ in range(nodes)
+    ]
+    cluster.wait_for_nodes()
+    outputs = Path(tempfile.mkdtemp(prefix="cluster-"))
+    pinned = ["train.decode", "train.crop", "valid.decode"] if settings.photos else ["train.decode", "valid.decode"]
+    args = [
+        "--config-dir",
+        str(BENCH / "conf"),
+        *(PHOTOS if settings.photos else [f"source.root={prepare()}"]),
+        "source.download=null",
+        "ingest.cache=false",
+        "model=probe",
+        *(["model.size=224", "model.stride=8"] if settings.photos else []),
+        "scaling.num_workers=1",
+        "scaling.resources_per_worker.CPU=1",
+        "+scaling.label_selector.node-type=train",
+        *(f"+transforms.{step}.label_selector.node-type=cpu" for step in pinned),
+        f"train.epochs={settings.epochs}",
+        "tracking.log_model=false",
+        "tracking.system_metrics_s=null",
+        f"ray.address={cluster.address}",
+        f"paths.outputs={outputs}",
+        f"storage.path={outputs / 'storage'}",
+        *extra,
+    ]
+    env = {**os.environ, **bench_env(), "RAY_ADDRESS": cluster.address}
+    lost = None
+    try:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        seen = b""
+        while run.poll() is None:
+            seen += run.stdout.read1(65536) or b""
+            steps = re.findall(rb"epoch 1/\d+: +\d+%\|[^|]*\| *(\d+)/(\d+)", seen[-4096:])
+            if settings.lose and lost is None and steps and int(steps[-1][0]) >= int(steps[-1][1]) // 2:
+                lost = preprocessing[-1].node_id
+                cluster.remove_node(preprocessing.pop())
+                preprocessing.append(
+                    cluster.add_node(num_cpus=settings.cpus, object_store_memory=store, labels={"node-type": "cpu"})
+                )
+        seen += run.stdout.read()
+        if run.returncode:
+            raise RuntimeError(seen.decode(errors="replace")[-3000:])
+        client, finished = last_run(outputs)
+        reads = finished.data.tags.get("pipeline.reads", "")
+        return {
+            "status": finished.info.status,
+            "samples_s": [round(v) for v in metric_history(client, finished, "train_throughput")],
+            "train_rows": [int(v) for v in metric_history(client, finished, "train_rows")],
+            "train_rows_distinct": [int(v) for v in metric_history(client, finished, "train_rows_distinct")],
+            "val_accuracy": [round(v, 4) for v in metric_history(client, finished, "val_accuracy")],
+            "read_mib": float(m.group(1).replace(",", "")) if (m := re.match(r"([\d,.]+) MiB read", reads)) else None,
+            "reads": reads,
+            "spilled_mib": spilled(cluster.address),
+            "lost": lost,
+        }
+    finally:
+        cluster.shutdown()
+
+
 def main(node_counts: list[int], settings: argparse.Namespace, extra: list[str]) -> dict:
     """Each of ``node_counts`` measured by :func:`one` in a process of its own, with this command's arguments."""
     data_dir()
@@ -248,6 +322,9 @@ def main(node_counts: list[int], settings: argparse.Namespace, extra: list[str])
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results[nodes] = json.loads(out.strip().splitlines()[-1])
         print(nodes, results[nodes], flush=True)
+    if settings.train:
+        write("cluster", {"settings": {**vars(settings), "extra": extra}, "runs": results})
+        return results
     base = results[node_counts[0]]["steady_rows_s"]
     rows = [
         (
@@ -287,9 +364,13 @@ if __name__ == "__main__":
     parser.add_argument("--head-cpus", type=int, default=0, help="CPUs of the head (the driver's node)")
     parser.add_argument("--photos", action="store_true", help="real-size photos and the ImageNet steps")
     parser.add_argument("--lose", action="store_true", help="lose a preprocessing node halfway through epoch 1")
+    parser.add_argument("--train", action="store_true", help="the whole pipeline, training on the head")
+    parser.add_argument("--epochs", type=int, default=2, help="with --train: epochs")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one measurement, in this process
     arguments, rest = parser.parse_known_args()
-    if arguments.one is not None:
+    if arguments.one is not None and arguments.train:
+        print(json.dumps(trained(arguments.one, arguments, rest)))
+    elif arguments.one is not None:
         print(json.dumps(one(arguments.one, arguments, rest)))
     else:
         main([int(n) for n in arguments.nodes.split(",")], arguments, rest)

@@ -53,6 +53,9 @@ LOSSES = {"train_loss": Metric(lower_is_better=True), "val_loss": Metric(lower_i
 COUNTERS = {
     "train_throughput": Metric(lower_is_better=False),
     "train_rows": Metric(lower_is_better=False),
+    # the training rows of the epoch trained on, each counted once by its number (the ledger): train_rows unless a
+    # row was trained twice
+    "train_rows_distinct": Metric(lower_is_better=False),
     "val_rows": Metric(lower_is_better=False),
     "data_wait_fraction": Metric(lower_is_better=True),
     "skipped_steps": Metric(lower_is_better=True),  # optimizer steps not taken for NaN/inf (train.on_nonfinite)

@@ -152,9 +152,10 @@ class EpochSource(Datasource):
                     rows = rows[~trained(ray.get(done), number)]
             if mixed:
                 rows = rows[np.random.default_rng(key).permutation(len(rows))]
-            for start in range(0, len(rows), block_rows):
-                block = table.take(pa.array(rows[start : start + block_rows]))
-                yield block.append_column(EPOCH, pa.array(np.full(block.num_rows, epoch, np.int32)))
+            table = table.take(pa.array(rows))  # one copy, in the epoch's order (a take per block copies all)
+            table = table.append_column(EPOCH, pa.array(np.full(table.num_rows, epoch, np.int32)))
+            for start in range(0, table.num_rows, block_rows):
+                yield table.slice(start, block_rows)
 
         return read
 

@@ -16,6 +16,7 @@ import ray
 import ray.data
 from ray.exceptions import RayError
 
+from pipeline.common import workarounds
 from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import IngestEngine, PipelineConfig, SourceConfig, TransformSpec
 from pipeline.data import cache, epochs, pieces, source, stream
@@ -320,9 +321,11 @@ def read_epochs(
     read = epochs.EpochSource(parts, epochs=epoch_actor, seed=seed, numbers=numbers, tasks=tasks, block_rows=block_rows)
     then = Steps({n: s for n, s in steps.items() if n not in on_device}, first, keep=columns)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **where}
-    ds = ray.data.read_datasource(read, **where)
-    ds = ds.map_batches(then, batch_size=block_rows, **options).repartition(target_num_rows_per_block=block_rows)
-    return ds, read.tasks
+    ds = ray.data.read_datasource(read, override_num_blocks=read.tasks, **where)  # no SplitBlocks: fused with the steps
+    # the steps take each block as read (a batch of a size would keep them apart from the read), and their output
+    # leaves in blocks of one worker's batch
+    ds = ds.map_batches(then, batch_size=None, **options).repartition(target_num_rows_per_block=block_rows)
+    return workarounds.streamed_blocks(ds), read.tasks
 
 
 def streamed_dataset(

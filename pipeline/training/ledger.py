@@ -41,6 +41,12 @@ class Ledger:
             dist.all_reduce(counts)
         return counts.cpu().numpy().astype(np.int64)
 
+    def figures(self) -> dict[str, int]:
+        """The epoch's rows trained on, each counted once, over every worker (a collective); none for a split whose
+        rows carry no numbers."""
+        counts = self.gathered()
+        return {"train_rows_distinct": int((counts > 0).sum())} if counts.any() else {}
+
     def trained(self) -> np.ndarray:
         """The rows trained on so far, over every worker, packed as bits (a collective)."""
         return np.packbits(self.gathered() > 0)

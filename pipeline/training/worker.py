@@ -128,7 +128,7 @@ def train_loop_per_worker(config: dict) -> None:
         if trained is None:  # the command is stopping: the checkpoint is saved
             return
         telemetry, step = trained
-        metrics = telemetry.totals() | parallel.memory(replica.model, replica.optimizer)  # what this worker holds
+        metrics = telemetry.totals() | ledger.figures() | parallel.memory(replica.model, replica.optimizer)
         valid = feed.valid(epoch=epoch, **shard)
         scores = validate(replica, valid, checkpoints.notice_seen)
         if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
