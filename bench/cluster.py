@@ -246,6 +246,7 @@ def trained(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
     ``--lose``, a preprocessing node removed halfway through epoch 1 and another added."""
     from ray.cluster_utils import Cluster
 
+    os.environ.update(bench_env())  # the nodes' workers import bench/probe.py, as a cluster's image holds a user's code
     store = settings.store
     head = {"num_cpus": settings.head_cpus or 1, "object_store_memory": store, "labels": {"node-type": "train"}}
     cluster = Cluster(initialize_head=True, head_node_args=head)
