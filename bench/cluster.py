@@ -161,7 +161,7 @@ def spilled(address: str) -> float:
 
 def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
     """One cluster of ``nodes`` preprocessing nodes, as the command line's ``settings`` say (``extra``: config
-    overrides): rows/s per epoch, bytes read and fetched from other nodes per node, MiB spilled. ``--lose``: a
+    overrides): rows/s per epoch, bytes read per node, MiB spilled. ``--lose``: a
     preprocessing node removed halfway through epoch 1 and another added."""
     from ray.cluster_utils import Cluster
 
@@ -202,7 +202,7 @@ def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
         rates, seconds, lost = [], [], None
         with preprocess.training_data(cfg, splits) as data:
             for epoch in range(EPOCHS):
-                ray.get(data.coordinator.set_epoch.remote(epoch))
+                ray.get(data.epochs.set_epoch.remote(epoch))
                 start, rows = time.perf_counter(), 0
                 for batch in data.datasets["train"].iter_batches(batch_size=None):
                     rows += len(batch["label"])
@@ -215,8 +215,7 @@ def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
                 seconds.append(time.perf_counter() - start)
                 rates.append(round(rows / seconds[-1]))
                 assert rows == data.rows["train"], (rows, data.rows["train"])
-            reads = ray.get(data.coordinator.reads.remote())
-        received = reads[1] if isinstance(reads, tuple) else {}  # before issue 66 the coordinator counted no fetch
+            reads = data.reads()
         by_node = Counter()
         for name in os.listdir(ledger):
             with open(os.path.join(ledger, name)) as reads:
@@ -228,8 +227,7 @@ def one(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
             # the preprocessing nodes' shares of the bytes read (the head's: the driver's footer reads)
             "read_share": sorted((round(v / total, 3) for k, v in by_node.items() if k != head), reverse=True),
             "read_mib": round(total / 2**20, 1),
-            # each node's tasks: MiB of pieces fetched from other nodes' stores, all epochs
-            "fetched_mib": sorted((round(v / 2**20, 1) for v in received.values()), reverse=True),
+            "reads": reads,  # the run's own account: each node's share, the read tasks run again
             "spilled_mib": spilled(cluster.address),
             "rows": data.rows["train"],
         }
@@ -243,7 +241,8 @@ def trained(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
     nodes (``--photos``: the real-size photos, streamed, their steps pinned to the preprocessing nodes by label): its
     driver a process of its own, one training worker of one CPU on the head, the probe model. Per epoch: samples/s,
     rows trained and rows trained counted once by their numbers (the ledger); MiB spilled, read per node; with
-    ``--lose``, a preprocessing node removed halfway through epoch 1 and another added."""
+    ``--lose``, a preprocessing node removed ``--lose-after`` seconds after the first step (in epoch 1) and another
+    added."""
     from ray.cluster_utils import Cluster
 
     os.environ.update(bench_env())  # the nodes' workers import bench/probe.py, as a cluster's image holds a user's code
@@ -283,11 +282,12 @@ def trained(nodes: int, settings: argparse.Namespace, extra: list[str]) -> dict:
         run = subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        seen = b""
+        seen, first_step = b"", None
         while run.poll() is None:
             seen += run.stdout.read1(65536) or b""
-            steps = re.findall(rb"epoch 1/\d+: +\d+%\|[^|]*\| *(\d+)/(\d+)", seen[-4096:])
-            if settings.lose and lost is None and steps and int(steps[-1][0]) >= int(steps[-1][1]) // 2:
+            if first_step is None and b"start-up: " in seen:  # said at the first training step
+                first_step = time.monotonic()
+            if settings.lose and lost is None and first_step and time.monotonic() - first_step > settings.lose_after:
                 lost = preprocessing[-1].node_id
                 cluster.remove_node(preprocessing.pop())
                 preprocessing.append(
@@ -334,7 +334,6 @@ def main(node_counts: list[int], settings: argparse.Namespace, extra: list[str])
             f"{got['steady_rows_s']:,}",
             f"{got['steady_rows_s'] / base:.2f}x",
             " / ".join(f"{s:.0%}" for s in got["read_share"]),
-            " / ".join(f"{m:,.0f}" for m in got.get("fetched_mib", [])) or "-",
             f"{got['spilled_mib']:,.0f}",
         )
         for nodes, got in results.items()
@@ -345,7 +344,6 @@ def main(node_counts: list[int], settings: argparse.Namespace, extra: list[str])
         f"epochs 2-{EPOCHS}",
         "vs first",
         "reads per node",
-        "fetched from others, MiB per node",
         "spilled MiB",
     )
     print(table(rows, header))
@@ -367,6 +365,9 @@ if __name__ == "__main__":
     parser.add_argument("--lose", action="store_true", help="lose a preprocessing node halfway through epoch 1")
     parser.add_argument("--train", action="store_true", help="the whole pipeline, training on the head")
     parser.add_argument("--epochs", type=int, default=2, help="with --train: epochs")
+    parser.add_argument(
+        "--lose-after", type=float, default=8.0, help="with --train --lose: seconds after the first step"
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one measurement, in this process
     arguments, rest = parser.parse_known_args()
     if arguments.one is not None and arguments.train:

@@ -6,6 +6,7 @@ Ray must keep its traffic on 127.0.0.1, so the variable is set before anything i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -236,23 +237,55 @@ def in_process(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, P
 
 @contextlib.contextmanager
 def in_block_order(epoch: int = 0):
-    """A job's data coordinator at ``epoch`` for datasets read in block order, as ingest.preserve_order=true
-    runs (without it Ray Data hands blocks on as their tasks finish, which a busy machine reorders); the order
-    option is put back and the coordinator ended afterwards. Claims about the order of rows need it."""
+    """A job's epochs actor at ``epoch`` (:class:`pipeline.data.epochs.Epochs`) for datasets read in block order, as
+    ingest.preserve_order=true runs (without it Ray Data hands blocks on as their tasks finish, which a busy machine
+    reorders); the order option is put back and the actor ended afterwards. Claims about the order of rows need it."""
     import ray
     import ray.data
 
-    from pipeline.data import preprocess
+    from pipeline.data import epochs
 
     options = ray.data.DataContext.get_current().execution_options
-    coordinator, kept = preprocess.start_coordinator(), options.preserve_order
-    ray.get(coordinator.set_epoch.remote(epoch))
+    actor, kept = epochs.Epochs.remote(), options.preserve_order
+    ray.get(actor.set_epoch.remote(epoch))
     options.preserve_order = True
     try:
-        yield coordinator
+        yield actor
     finally:
         options.preserve_order = kept
-        ray.kill(coordinator)
+        ray.kill(actor)
+
+
+def epoch_dataset(cfg, split, actor, *, seed: int | None = None, numbered: bool = False, built=None, task_mib=None):
+    """``split`` read every epoch as a job reads it (:func:`pipeline.data.preprocess.read_epochs`): from storage, its
+    streamed steps run, or from its cache (``built``: :func:`pipeline.data.preprocess.cached_split`'s), its per-epoch
+    steps run; ``actor``: the epochs actor; ``numbered``: as the training split, each row numbered; ``task_mib``:
+    ``ingest.read_task_mib``."""
+    from pipeline.data import epochs, pieces, preprocess, steps
+
+    groups = row_groups(split)
+    columns = [split.layout.model_input, split.layout.label] if split.layout else ["image", "label"]
+    if task_mib is not None:
+        cfg = dataclasses.replace(cfg, ingest=dataclasses.replace(cfg.ingest, read_task_mib=task_mib))
+    if built is not None:
+        parts, run, first = epochs.cached_parts(built, groups, 3200), steps.cached_steps(split.steps)[1], []
+    else:
+        columns_read = [*(split.layout.inputs if split.layout else ["image"]), *columns[1:]]
+        parts = epochs.stored_parts(groups, split.filesystem, columns_read)
+        run, first = steps.streamed_steps(split.steps), steps.read_steps(split) if split.layout else []
+    ds, _ = preprocess.read_epochs(
+        parts,
+        run,
+        first,
+        columns,
+        cfg,
+        name="train" if numbered else "valid",
+        epoch_actor=actor,
+        seed=seed,
+        numbers=pieces.row_numbers(groups) if numbered else None,
+        where={},
+    )
+    return ds
 
 
 def row_groups(split):
@@ -282,3 +315,35 @@ def deterministic_run(ray_runtime, data_root, tmp_path_factory) -> dict:
         patch.setenv("PIPELINE_DATA_DIR", str(data_root))
         metrics, _ = in_process(tmp_path_factory.mktemp("deterministic"), "run", DETERMINISTIC)
     return metrics
+
+
+LEDGER_ROWS, WIDE = 1000, 2048  # the ledger data's training rows, and the features of its wide column
+
+
+@pytest.fixture(scope="module")
+def ledger_data(tmp_path_factory) -> Path:
+    """A table whose first feature is each row's number (``row``), in 4 files of row groups of 50 rows; ``wide`` holds
+    the same three features in a list of ``WIDE`` (the rest zeros), so that a batch of 20 rows makes a block of Ray
+    Data's larger than Ray keeps in its owner's memory (100 KB): in the object store of the node that read it."""
+    root = tmp_path_factory.mktemp("ledger")
+    rng = np.random.default_rng(0)
+    for split, rows in (("train", LEDGER_ROWS), ("valid", 100)):
+        x = rng.normal(size=(rows, 2))
+        target = (x[:, 0] > 0).astype(np.int64)
+        wide = np.zeros((rows, WIDE), dtype=np.float32)
+        wide[:, 0], wide[:, 1:3] = np.arange(rows), x
+        table = pa.table(
+            {
+                "row": np.arange(rows, dtype=np.float64),
+                "x0": x[:, 0],
+                "x1": x[:, 1],
+                "target": target,
+                "wide": pa.FixedSizeListArray.from_arrays(wide.reshape(-1), WIDE),
+            }
+        )
+        (root / split).mkdir()
+        for part in range(4):
+            pq.write_table(
+                table.slice(part * rows // 4, rows // 4), root / split / f"{part}.parquet", row_group_size=50
+            )
+    return root

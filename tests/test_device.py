@@ -13,7 +13,7 @@ from conftest import compose_cfg, jpeg, photo
 
 from pipeline.common.errors import PipelineError
 from pipeline.data import steps
-from pipeline.training.feed import Collate
+from pipeline.data.feed import Collate
 from transforms import decode_image, random_crop, random_flip, random_resized_crop
 from transforms.device import DecodeImage, Ragged, RandomCrop, RandomFlip, RandomResizedCrop, batched_resize
 from transforms.image import resized_crop_plan

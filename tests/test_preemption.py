@@ -20,44 +20,27 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import LEDGER_ROWS
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
 from pipeline.common.errors import PipelineError
 from pipeline.config import TrainConfig, TransformSpec
-from pipeline.data.pieces import ROW, row_numbers, trained
+from pipeline.data.pieces import row_numbers, trained
 from pipeline.data.steps import Steps
 from pipeline.training import checkpoint, preemption
 from pipeline.training.ledger import Ledger
 from pipeline.training.telemetry import EpochTelemetry
+from transforms.randomness import ROW
 
 TESTS = Path(__file__).resolve().parent
-TRAIN_ROWS, BATCH = 1000, 20
+TRAIN_ROWS, BATCH = LEDGER_ROWS, 20
 
 
-@pytest.fixture(scope="module")
-def ledger_data(tmp_path_factory) -> Path:
-    """A table whose first feature is each row's number (``row``), in 4 files of row groups of 50 rows."""
-    root = tmp_path_factory.mktemp("ledger")
-    rng = np.random.default_rng(0)
-    for split, rows in (("train", TRAIN_ROWS), ("valid", 100)):
-        x = rng.normal(size=(rows, 2))
-        target = (x[:, 0] > 0).astype(np.int64)
-        table = pa.table({"row": np.arange(rows, dtype=np.float64), "x0": x[:, 0], "x1": x[:, 1], "target": target})
-        (root / split).mkdir()
-        for part in range(4):
-            pq.write_table(
-                table.slice(part * rows // 4, rows // 4), root / split / f"{part}.parquet", row_group_size=50
-            )
-    return root
-
-
-def command(tmp_path: Path, data: Path, *overrides: str) -> list[str]:
+def command(tmp_path: Path, data: Path, *overrides: str, features: tuple[str, int] = ("[row,x0,x1]", 3)) -> list[str]:
     """The ledger model on ``data``, 2 epochs, each step slowed so that a stop lands mid-epoch."""
     return [
         sys.executable,
@@ -65,15 +48,15 @@ def command(tmp_path: Path, data: Path, *overrides: str) -> list[str]:
         "pipeline",
         f"source.train={data / 'train'}",
         f"source.valid={data / 'valid'}",
-        "source.feature_column=[row,x0,x1]",
+        f"source.feature_column={features[0]}",
         "source.label_column=target",
         "source.num_classes=2",
         "source.limit=null",
         "source.download=null",
-        "transforms=none",
+        *([] if any(o.startswith("transforms=") for o in overrides) else ["transforms=none"]),
         "~model",
         "+model._target_=ledger_model.LedgerModel",
-        "+model.in_channels=3",
+        f"+model.in_channels={features[1]}",
         "+model.num_classes=2",
         f"+model.log_dir={tmp_path / 'ledger'}",
         "+model.delay_s=0.03",
@@ -87,13 +70,13 @@ def command(tmp_path: Path, data: Path, *overrides: str) -> list[str]:
     ]
 
 
-def start(tmp_path: Path, data: Path, *overrides: str, own_group: bool = False) -> subprocess.Popen:
+def start(tmp_path: Path, data: Path, *overrides: str, own_group: bool = False, **options) -> subprocess.Popen:
     """The command, its output piped; ``own_group``: in a process group of its own, as a login session or a Slurm
     job step runs it, so that a test can signal it whole."""
     (tmp_path / "ledger").mkdir(exist_ok=True)
     env = {**cli_env(data), "PYTHONPATH": str(TESTS)}  # the workers import the ledger model
     return subprocess.Popen(
-        command(tmp_path, data, *overrides),
+        command(tmp_path, data, *overrides, **options),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

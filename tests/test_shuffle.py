@@ -1,4 +1,4 @@
-"""How well an epoch mixes a split: the bound its windows set (from the parquet footers' label ranges), the warning
+"""How well an epoch mixes a split: the bound its read tasks set (from the parquet footers' label ranges), the warning
 before training when a split looks sorted, the ``label_mix`` each epoch measures, and the remedy,
 ``python -m pipeline.reshuffle``."""
 
@@ -17,6 +17,7 @@ from conftest import compose_cfg, write_split
 from mlflow import MlflowClient
 from test_pipeline import cli_env, run_cli
 
+from pipeline.config import Layout
 from pipeline.data import pieces, preprocess, source
 from pipeline.training.telemetry import EpochTelemetry
 
@@ -46,22 +47,22 @@ def groups_of(root: Path) -> list[pieces.RowGroup]:
     return pieces.row_groups(split.files, split.filesystem, None, "label")
 
 
-def test_windows_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warned(tmp_path):
-    """Twenty windows of one row group each: stored by class, each holds one label of ten; stored shuffled, all ten.
-    One window of every row group mixes either fully. Read unshuffled, the advice is to shuffle."""
+def test_read_tasks_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warned(tmp_path):
+    """Twenty read tasks of one row group each: stored by class, each holds one label of ten; stored shuffled, all ten.
+    One task of every row group mixes either fully. Read unshuffled, the advice is to shuffle."""
     cfg = compose_cfg([])
-    layout = source.Layout.of(cfg.source)
+    layout = Layout.of(cfg.source)
     sorted_groups, shuffled_groups = groups_of(stored(tmp_path, "sorted")), groups_of(stored(tmp_path, "shuffled"))
     assert len(sorted_groups) == len(shuffled_groups) == 20 and sorted_groups[0].labels == (0, 0)
 
     coarse = preprocess.mixing(sorted_groups, 20, 0, layout, cfg)
     assert coarse.share == pytest.approx(0.1) and coarse.groups == (1, 1)
-    assert "looks sorted by label and is read in 20 window(s) of 1 row groups" in coarse.warning()
+    assert "looks sorted by label and is read in 20 read task(s) of 1 row groups" in coarse.warning()
     assert "python -m pipeline.reshuffle SOURCE TARGET" in coarse.warning()
     assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).share > 0.95  # a group of 32 may miss 0 or 9
     assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).warning() is None
-    assert preprocess.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one window: a full shuffle
-    unshuffled = preprocess.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a window of its own
+    assert preprocess.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one task: a full shuffle
+    unshuffled = preprocess.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a task of its own
     assert "Turn the shuffle on: ingest.shuffle=true." in unshuffled.warning()
 
     regression = compose_cfg(["task=regression"])
@@ -92,9 +93,9 @@ def reshuffle(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow  # starts Ray
-def test_reshuffle_rewrites_a_class_sorted_split_that_its_windows_then_mix(tmp_path):
+def test_reshuffle_rewrites_a_class_sorted_split_that_its_read_tasks_then_mix(tmp_path):
     """The remedy the warning names: every row once, in random order, in row groups of the size asked, after which
-    twenty windows of the split hold nearly all labels each; an existing target or a missing source is one line."""
+    twenty read tasks of the split hold nearly all labels each; an existing target or a missing source is one line."""
     source_dir = stored(tmp_path, "sorted") / "cifar10" / "train"
     target = tmp_path / "rewritten" / "cifar10" / "train"
     result = reshuffle(tmp_path, str(source_dir), str(target), "--rows-per-group", "32", "--rows-per-file", "320")
@@ -116,11 +117,11 @@ def test_reshuffle_rewrites_a_class_sorted_split_that_its_windows_then_mix(tmp_p
 
 
 @pytest.mark.slow  # starts Ray
-def test_a_run_streaming_a_class_sorted_split_in_small_windows_warns_before_training(tmp_path):
-    """Streamed in windows of one row group (a tiny ingest.cache_share), a class-sorted split: the warning comes
+def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_warns_before_training(tmp_path):
+    """Streamed by read tasks of one row group (a tiny ingest.read_task_mib), a class-sorted split: the warning comes
     before the first epoch, the run records the bound (pipeline.shuffle) and measures a label_mix near 1/10."""
     root = stored(tmp_path, "sorted").parent
-    args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.cache_share=1e-9"]
+    args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.read_task_mib=1e-6"]
     result = run_cli([*args, f"source.root={root / 'sorted'}", "source.download=null"], tmp_path, root)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
@@ -128,5 +129,5 @@ def test_a_run_streaming_a_class_sorted_split_in_small_windows_warns_before_trai
     assert warned < output.index("epoch 1/1")
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    assert run.data.tags["pipeline.shuffle"].startswith("20 window(s) of 1 row groups of about 32 rows")
+    assert run.data.tags["pipeline.shuffle"].startswith("20 read task(s) of 1 row groups of about 32 rows")
     assert run.data.metrics["label_mix"] < 0.3

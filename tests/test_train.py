@@ -12,8 +12,7 @@ import torch.multiprocessing
 from conftest import free_port
 
 from pipeline.common.metrics import epoch_metrics
-from pipeline.config import OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
-from pipeline.data.source import Layout
+from pipeline.config import Layout, OnNonfinite, PipelineConfig, TaskConfig, TrackingConfig, TrainConfig
 from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ledger import Ledger
@@ -23,6 +22,7 @@ from pipeline.training.reports import StepCheckpoints
 from pipeline.training.resume import EpochSteps
 from pipeline.training.task import Task
 from pipeline.training.worker import prefetched, train_epoch, validate
+from transforms.randomness import ROW
 
 CLASSIFY = TaskConfig()  # classification: cross-entropy, accuracy
 
@@ -33,6 +33,7 @@ def one_epoch(replica, batches, cfg, epoch: int, steps: int):
     checkpoints = StepCheckpoints(
         due=preemption.Due(cfg.train, None, drains=False), replica=replica, stopper=None, cfg=cfg, rank=0
     )
+    ledger = Ledger(sum(len(batch["y"]) for batch in batches), torch.device("cpu"), 0)
     telemetry, _ = train_epoch(
         replica,
         batches,
@@ -40,11 +41,11 @@ def one_epoch(replica, batches, cfg, epoch: int, steps: int):
         epoch=epoch,
         steps=EpochSteps(done=0, last=steps, per_epoch=steps),
         progress=None,
-        ledger=Ledger(0, torch.device("cpu"), 0),
+        ledger=ledger,
         checkpoints=checkpoints,
         resumed=None,
     )
-    return telemetry.totals() | parallel.memory(replica.model, replica.optimizer)
+    return telemetry.totals() | ledger.figures() | parallel.memory(replica.model, replica.optimizer)
 
 
 def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_clip=None, on_nonfinite="raise"):
@@ -117,7 +118,7 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     outputs = 3 if task.type == "classification" else 1
     replica = replica_of(torch.nn.Linear(4, outputs), task)
     labels = torch.tensor([0, 1, 2, 1]) if outputs == 3 else torch.tensor([0.5, 1.0, -1.0, 2.0])
-    batches = [{"x": torch.randn(4, 4), "y": labels}] * 3
+    batches = [{"x": torch.randn(4, 4), "y": labels, ROW: torch.arange(4) + 4 * i} for i in range(3)]
     cfg = epoch_cfg()
     cfg = replace(cfg, task=task, source=replace(cfg.source, num_classes=3 if task.type == "classification" else None))
     metrics = one_epoch(replica, batches, cfg, 0, 3) | validate(replica, batches)
@@ -125,7 +126,10 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     assert set(metrics) | {"checkpoint_stall_s"} == set(epoch_metrics(task.type, task.metrics))
     assert metrics["param_bytes"] == 4 * (4 * outputs + outputs)  # float32 weight and bias
     assert metrics["optimizer_bytes"] == 0  # plain SGD keeps no state
-    assert metrics["train_rows"] == metrics["val_rows"] == 12 and 0 <= metrics["data_wait_fraction"] < 1
+    assert metrics["train_rows"] == metrics["val_rows"] == metrics["train_rows_distinct"] == 12
+    assert 0 <= metrics["data_wait_fraction"] < 1
+    again = [{**batch, ROW: torch.arange(4)} for batch in batches]  # the same four rows three times
+    assert one_epoch(replica, again, cfg, 1, 3)["train_rows_distinct"] == 4
     assert all(value == value for value in metrics.values())  # no NaN
 
 

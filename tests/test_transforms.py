@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import capture_warnings, compose_cfg, in_block_order, jpeg, photo, row_groups, write_split
+from conftest import capture_warnings, compose_cfg, epoch_dataset, in_block_order, jpeg, photo, write_split
 from PIL import Image
 
 from pipeline.common.errors import PipelineError
@@ -326,13 +326,12 @@ def test_photos_are_written_offline_at_real_and_varied_sizes(tmp_path):
 
 
 def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
-    """Through the tasks that gather each epoch's rows, as training runs them: the workers set the epoch on the
-    job's coordinator before each pass, and each of epochs 0, 1 and 2 flips a different set of rows; a second
+    """Through the tasks that read each epoch's rows, as training runs them: the workers set the epoch on the
+    job's epochs actor before each pass, and each of epochs 0, 1 and 2 flips a different set of rows; a second
     dataset built the same way flips the same sets, and one whose first pass is epoch 1 (a resumed run) repeats
     epoch 1."""
     import ray
 
-    from pipeline.data import preprocess
     from pipeline.jobs import preflight
 
     write_split(tmp_path / "cifar10" / "train", 64, 2, seed=0)
@@ -350,12 +349,10 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
     def passes(epochs: list[int]) -> list[list[int]]:
         """The rows each pass flipped (by their stored position: no shuffle, read in block order)."""
         flipped = []
-        with in_block_order() as coordinator:
-            ds, _ = preprocess.streamed_dataset(
-                split, "train", row_groups(split), ["image"], coordinator=coordinator, shuffle_seed=None, budget=2**30
-            )
+        with in_block_order() as actor:
+            ds = epoch_dataset(cfg, split, actor)
             for epoch in epochs:
-                ray.get(coordinator.set_epoch.remote(epoch))
+                ray.get(actor.set_epoch.remote(epoch))
                 out = [row["image"] for row in ds.take_all()]
                 flipped.append([i for i, (o, p) in enumerate(zip(out, pixels)) if not np.array_equal(o, p)])
         return flipped
@@ -369,6 +366,14 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
     assert [i for i in range(64) if not np.array_equal(direct[i], pixels[i])] == epochs[2]
 
 
+def feed(cfg):
+    """A CPU worker's feed of the validation split, no device step, no cache: Ray Data's shards only."""
+    from pipeline.data.feed import Feed, Reading
+
+    reading = Reading(epochs=None, on_device={"valid": {}}, indexed={}, columns=[], ingest=cfg.ingest, seed=0)
+    return Feed(reading, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "mean, std, expected",
     [((0.5,) * 3, (0.5,) * 3, [[-1.0, 1.0]] * 3), ((0.0, 0.5, 1.0), (1.0, 1.0, 2.0), [[0, 1], [-0.5, 0.5], [-0.5, 0]])],
@@ -376,7 +381,6 @@ def test_seeded_augmentation_follows_the_training_epoch(tmp_path, ray_runtime):
 def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std, expected):
     import ray.data
 
-    from pipeline.training.feed import Feed
     from pipeline.training.scaling import feature_scaler
 
     pixels = np.array([[[[0, 255]]] * 3] * 5, dtype=np.uint8)  # (5, 3, 1, 2)
@@ -384,8 +388,7 @@ def test_workers_turn_uint8_pixels_into_normalized_floats(ray_runtime, mean, std
     cfg = compose_cfg(
         ["ingest.batch_size=2", f"ingest.normalize.mean={list(mean)}", f"ingest.normalize.std={list(std)}"]
     )
-    feed = Feed("valid", {}, torch.device("cpu"), cfg.ingest)
-    out = list(feed.batches(epoch=0, rank=0, world_size=1, training=False, shard=ds))
+    out = list(feed(cfg).batches("valid", epoch=0, rank=0, world=1, training=False, shard=ds))
     assert sorted(len(b["label"]) for b in out) == [1, 2, 2]  # validation keeps its last partial batch
     raw = torch.cat([b["image"] for b in out])
     assert raw.dtype == torch.uint8 and torch.equal(raw, torch.from_numpy(pixels))  # scaled by the replica
@@ -401,7 +404,6 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     import ray.data
 
     from pipeline.data.preprocess import feature_statistics
-    from pipeline.training.feed import Feed
     from pipeline.training.scaling import feature_scaler
 
     features = np.array([[1.0, 10.0], [3.0, 10.0], [5.0, 10.0], [7.0, 10.0]], dtype=np.float32)
@@ -410,9 +412,7 @@ def test_float_features_are_standardized_with_the_training_statistics(ray_runtim
     np.testing.assert_allclose(statistics["mean"], [4.0, 10.0])
     np.testing.assert_allclose(statistics["std"], [np.sqrt(5.0), 1.0])  # a constant feature keeps std 1
     cfg = compose_cfg(["ingest.batch_size=4", "source.feature_column=features"])
-    (batch,) = Feed("valid", {}, torch.device("cpu"), cfg.ingest).batches(
-        epoch=0, rank=0, world_size=1, training=False, shard=ds
-    )
+    (batch,) = feed(cfg).batches("valid", epoch=0, rank=0, world=1, training=False, shard=ds)
     assert torch.equal(batch["features"], torch.from_numpy(features))  # scaled by the replica
     scaled = feature_scaler(cfg.ingest.normalize, statistics, torch.device("cpu"))(batch["features"])
     expected = (features - [4.0, 10.0]) / [np.sqrt(5.0), 1.0]
@@ -536,15 +536,15 @@ def test_a_split_is_transformed_in_one_task_per_file_and_never_fewer_than_the_cp
 
 
 def test_the_modules_ray_tasks_import_leave_torch_and_mlflow_out():
-    """A new Ray task or actor process imports these to unpickle what it runs (Ray Data's steps and cache
-    pieces, the job's data coordinator and readers, the event queue, the report relay); torch or MLflow among
+    """A new Ray task or actor process imports these to unpickle what it runs (Ray Data's read tasks and steps, the
+    cache's pieces, the job's epochs actor, the event queue, the report relay); torch or MLflow among
     their imports would delay every such process by seconds: a run's start-up and its first epoch's data wait."""
     import subprocess
     import sys
 
     modules = (
-        "pipeline.data.preprocess, pipeline.data.steps, pipeline.data.cache, pipeline.data.stream, "
-        "pipeline.data.coordinator, pipeline.data.pieces, pipeline.training.events, pipeline.training.relay, "
+        "pipeline.data.preprocess, pipeline.data.steps, pipeline.data.cache, pipeline.data.epochs, "
+        "pipeline.data.pieces, pipeline.training.events, pipeline.training.relay, "
         "transforms"
     )
     code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'mlflow', 'matplotlib') if m in sys.modules))"

@@ -117,17 +117,6 @@ def in_a_lasting_thread(start: Callable[[], None]) -> Future:
 STREAMED_BLOCK_BYTES = 16 * 2**20  # a generator task's yields of about this size leave it one by one
 
 
-def on_node_else(node_id: str, label_selector: dict[str, str]) -> dict:
-    """An actor's Ray options that place it on node ``node_id``, and where that node is lost and the actor restarts
-    (``max_restarts``), on a node that ``label_selector`` selects.
-
-    Ray 2.60: an actor with a soft ``NodeAffinitySchedulingStrategy`` lands on any node (on a ``Cluster`` of a
-    head and two nodes, two such actors aimed at the two nodes both started on the head, or each on the other); a
-    hard one never restarts once its node is gone. The node's own label ``ray.io/node-id`` with a
-    ``fallback_strategy`` does both. Canary: ``tests/test_ray_canaries.py``."""
-    return {"label_selector": {"ray.io/node-id": node_id}, "fallback_strategy": [{"label_selector": label_selector}]}
-
-
 def streamed_blocks(ds: ray.data.Dataset) -> ray.data.Dataset:
     """``ds``, whose map tasks yield their rows in several batches, with each batch of over
     ``STREAMED_BLOCK_BYTES`` handed on as the task yields it.

@@ -2,6 +2,7 @@
 pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
 
 from pipeline.config.checks import check_overrides, check_targets, check_values, closest, load, logged, validate
+from pipeline.config.layout import Layout
 from pipeline.config.schema import (
     CONF_DIR,
     AmpDtype,
@@ -9,7 +10,6 @@ from pipeline.config.schema import (
     ExportFormat,
     FinetuneConfig,
     IngestConfig,
-    IngestEngine,
     NormalizeConfig,
     OnMissing,
     OnNonfinite,
@@ -37,13 +37,13 @@ __all__ = [
     "AmpDtype",
     "CheckpointUpload",
     "ExportFormat",
-    "IngestEngine",
     "OnMissing",
     "OnNonfinite",
     "Stage",
     "TaskType",
     "FinetuneConfig",
     "IngestConfig",
+    "Layout",
     "NormalizeConfig",
     "PipelineConfig",
     "PredictConfig",

@@ -331,6 +331,7 @@ def check_ingest(ingest: IngestConfig) -> None:
     """The cache, the batch and the normalization."""
     _require(ingest.cache in (True, False, "auto"), f"ingest.cache must be auto, true or false, got {ingest.cache!r}.")
     _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
+    _require(ingest.read_task_mib > 0, f"ingest.read_task_mib must be above 0, got {ingest.read_task_mib}.")
     _require(ingest.batch_size >= 1, f"ingest.batch_size must be >= 1, got {ingest.batch_size}.")
     normalize = ingest.normalize
     _require(

@@ -37,7 +37,6 @@ Strategy = Choice("Strategy", {name: name for name in ("ddp", "fsdp")})
 CompileMode = Choice(  # torch.compile's modes
     "CompileMode", {name: name for name in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")}
 )
-IngestEngine = Choice("IngestEngine", {name: name for name in ("ray_data", "pieces")})
 CheckpointUpload = Choice("CheckpointUpload", {name: name for name in ("async", "sync")})
 ExportFormat = Choice("ExportFormat", {name: name for name in ("torch_export", "onnx")})
 
@@ -263,14 +262,14 @@ class IngestConfig:
     # output in Ray's object store, so later epochs run only the random steps: auto (on when the estimate,
     # from the first rows, fits cache_share of the store), true (fail before training when it does not), false
     cache: Any = "auto"
-    # of the preprocessing nodes' object stores the cache may take (a third of it: a streamed split's window, the
-    # next and the last); Ray Data streams through the rest
+    # of the preprocessing nodes' object stores the cache may take; Ray Data streams through the rest
     cache_share: float = 0.5
+    # MiB of stored rows each of an epoch's read tasks reads and mixes together (row groups drawn from all over the
+    # split, a new draw every epoch): more mixes a split stored by class better, and holds more in the task's memory
+    read_task_mib: float = 64.0
     # scale float features by the training split's per-feature mean and std (computed before training,
     # saved with the run and applied by predict too): for tables of numbers
     standardize: bool = False
-    # what reads an epoch that Ray Train splits: Ray Data's read tasks (pipeline.data.epochs) or the pieces engine
-    engine: IngestEngine = IngestEngine.ray_data
 
 
 @dataclass

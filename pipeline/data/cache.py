@@ -6,9 +6,10 @@ The cache is :mod:`pipeline.data.pieces`: one task per parquet row group reads i
 (:func:`pipeline.data.steps.cached_steps`), returning the rows in pieces of at most ``PIECE_BYTES``. The
 driver submits every task before training starts, in the order epoch 0 reads the row groups, and owns the
 pieces: they outlive the tasks' processes (Ray rebuilds a lost one from its task) and a restarted worker
-group finds them. Epoch 0 trains from the pieces as they are built, a window of row groups after another (with
-enough row groups it never waits for the whole cache); every later epoch is one window of every row, a full
-shuffle.
+group finds them. On one node the training workers read it themselves (:func:`pipeline.data.pieces.shard`): epoch 0
+from the pieces as they are built, a window of row groups after another (with enough row groups it never waits for
+the whole cache), every later epoch one window of every row, a full shuffle. Elsewhere Ray Data's read tasks read the
+pieces (:func:`pipeline.data.epochs.cached_parts`).
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ PIECE_BYTES = 16 * 2**20  # a cached object's size at most (a row group bigger t
 # Epoch 0 reads the cache as it is built, in up to this many windows of at least this many row groups each
 # (a window's rows are mixed: a class-sorted split still gives batches of many classes)
 FIRST_EPOCH_WINDOWS, WINDOW_GROUPS = 8, 8
-PIECES_PER_TASK = 8  # an epoch's tasks each make about this many pieces' worth of rows
 
 
 @ray.remote
 def build_pieces(group: RowGroup, filesystem: pafs.FileSystem, columns: list[str], prepare, pieces: int) -> tuple:
     """Read one row group, run ``prepare`` (the steps that run once) on it and return it in ``pieces``
-    objects of about equal rows, then ``(rows, bytes)`` of each (what the driver reports), then this node's id
-    (where they are kept: the epochs' tasks gather from the pieces on their own node)."""
+    objects of about equal rows, then ``(rows, bytes)`` of each (what the driver reports)."""
     batch = prepare(numpy_batch(read_group(group, filesystem, columns), group.file))
     cuts = np.array_split(np.arange(len(batch["path"])), pieces)
     out = [
         {key: values[cut[0] : cut[-1] + 1] if len(cut) else values[:0] for key, values in batch.items()} for cut in cuts
     ]
     sizes = [(len(piece["path"]), batch_bytes(piece)) for piece in out]
-    return (*out, sizes, ray.get_runtime_context().get_node_id())
+    return (*out, sizes)
 
 
 @dataclass(kw_only=True)
@@ -61,7 +60,6 @@ class Cache:
     pieces: list[ray.ObjectRef]
     by_group: list[list[int]]  # row group -> indices into pieces
     sizes: list[ray.ObjectRef]  # per row group: [(rows, bytes)] of its pieces
-    homes: list[ray.ObjectRef]  # per row group: the node its pieces were built on
     seed: int | None
     started: float  # time.perf_counter() when the tasks were submitted
 
@@ -76,14 +74,9 @@ class Cache:
     def windows(self) -> Windows:
         return Windows(max(1, min(FIRST_EPOCH_WINDOWS, len(self.by_group) // WINDOW_GROUPS)), 1)
 
-    @property
-    def tasks(self) -> int:
-        return math.ceil(len(self.pieces) / PIECES_PER_TASK)
-
-    def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], Sizes, list[str]]:
+    def window(self, epoch: int, index: int, count: int) -> tuple[list[ray.ObjectRef], Sizes]:
         groups = window_groups(len(self.by_group), self.seed, epoch, count)[index]
-        found = ray.get([self.sizes[g] for g in groups] + [self.homes[g] for g in groups])
-        return [self.pieces[i] for g in groups for i in self.by_group[g]], found[: len(groups)], found[len(groups) :]
+        return [self.pieces[i] for g in groups for i in self.by_group[g]], ray.get([self.sizes[g] for g in groups])
 
     @staticmethod
     def take(parts: dict[int, dict[str, np.ndarray]], piece: np.ndarray, row: np.ndarray) -> dict[str, np.ndarray]:
@@ -120,14 +113,14 @@ def build(
 ) -> Cache:
     """Submit one :func:`build_pieces` task per row group, in epoch 0's order, each cut into pieces of at most
     ``PIECE_BYTES`` by the estimated ``row_bytes``; returns at once, while Ray runs them."""
-    pieces, by_group, sizes, homes = [], [[] for _ in groups], [None] * len(groups), [None] * len(groups)
+    pieces, by_group, sizes = [], [[] for _ in groups], [None] * len(groups)
     for g in group_order(len(groups), seed, 0):
         group = groups[g]
         count = max(1, math.ceil(group.rows * row_bytes / PIECE_BYTES))
         # SPREAD, as Ray Data's reads: over the nodes, and never into a Tune trial's placement group
-        *refs, sizes[g], homes[g] = build_pieces.options(
-            num_returns=count + 2, scheduling_strategy="SPREAD", **options
-        ).remote(group, filesystem, columns, prepare, count)
+        *refs, sizes[g] = build_pieces.options(num_returns=count + 1, scheduling_strategy="SPREAD", **options).remote(
+            group, filesystem, columns, prepare, count
+        )
         by_group[g] = list(range(len(pieces), len(pieces) + count))
         pieces += refs
-    return Cache(pieces=pieces, by_group=by_group, sizes=sizes, homes=homes, seed=seed, started=time.perf_counter())
+    return Cache(pieces=pieces, by_group=by_group, sizes=sizes, seed=seed, started=time.perf_counter())

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,23 +30,21 @@ from ray.data import Datasource, ReadTask
 from ray.data.block import BlockAccessor, BlockMetadata
 
 from pipeline.config import IngestConfig, TransformSpec
+from pipeline.data.cache import Cache, Indexed
 from pipeline.data.pieces import RowGroup, group_order, read_group, trained
 from transforms.randomness import EPOCH, ROW
 
-if TYPE_CHECKING:
-    from pipeline.data.cache import Indexed
-
-TASK_BYTES = 64 * 2**20  # a read task holds about this many bytes of its parts at once
 READ_THREADS = 4  # a task reads up to this many parts at once (reading is mostly waiting on storage)
 
 
 @ray.remote(num_cpus=0)
 class Epochs:
     """The job's epoch as the training workers read it, the rows of it trained on before a stop (a resumed epoch:
-    packed bits, :mod:`pipeline.training.ledger`), and the bytes each node read from storage."""
+    packed bits, :mod:`pipeline.training.ledger`), and what the read tasks read: the bytes on each node, and how many
+    times each task ran (more than once: Ray ran it again, to rebuild what a lost node held)."""
 
     def __init__(self) -> None:
-        self.epoch, self.trained, self.read = 0, None, Counter()
+        self.epoch, self.trained, self.read, self.runs = 0, None, Counter(), Counter()
 
     def set_epoch(self, epoch: int, done: np.ndarray | None = None) -> None:
         """The training workers, before each pass (Ray Train's split starts it once every worker has asked)."""
@@ -57,11 +55,13 @@ class Epochs:
     def position(self) -> tuple[int, ray.ObjectRef | None]:
         return self.epoch, self.trained
 
-    def add_read(self, node: str, size: int) -> None:
+    def add_read(self, node: str, size: int, task: tuple) -> None:
         self.read[node] += size
+        self.runs[task] += 1
 
-    def reads(self) -> tuple[dict[str, int], dict[str, int]]:
-        return dict(self.read), {}
+    def reads(self) -> tuple[dict[str, int], int]:
+        """Bytes read per node, and the read tasks run again."""
+        return dict(self.read), sum(runs - 1 for runs in self.runs.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +89,8 @@ class Parts:
     load: Callable[[int], pa.Table]
 
 
-def row_groups(groups: list[RowGroup], filesystem, columns: list[str]) -> Parts:
-    """Parts that are the split's row groups, read from storage with their file (``path``)."""
+def stored_parts(groups: list[RowGroup], filesystem, columns: list[str]) -> Parts:
+    """Parts that are the split's row ``groups``, their ``columns`` read from storage with their file (``path``)."""
 
     def load(index: int) -> pa.Table:
         table = read_group(groups[index], filesystem, columns)
@@ -107,10 +107,18 @@ class EpochSource(Datasource):
     :class:`Epochs`."""
 
     def __init__(
-        self, parts: Parts, *, epochs, seed: int | None, numbers: np.ndarray | None, tasks: int, block_rows: int
+        self,
+        parts: Parts,
+        *,
+        name: str,
+        epochs,
+        seed: int | None,
+        numbers: np.ndarray | None,
+        tasks: int,
+        block_rows: int,
     ):
         super().__init__()
-        self.parts, self.epochs, self.seed, self.numbers = parts, epochs, seed, numbers
+        self.parts, self.name, self.epochs, self.seed, self.numbers = parts, name, epochs, seed, numbers
         self.tasks, self.block_rows = max(1, min(tasks, len(parts.rows))), block_rows
 
     def estimate_inmemory_data_size(self) -> int:
@@ -131,27 +139,28 @@ class EpochSource(Datasource):
                 input_files=None,
                 exec_stats=None,
             )
-            read = self.read_task(run.tolist(), epoch=epoch, key=[self.seed, epoch, index], done=done)
+            read = self.read_task(run.tolist(), epoch=epoch, index=index, done=done)
             tasks.append(ReadTask(read, meta))
         return tasks
 
-    def read_task(self, run: list[int], *, epoch: int, key: list, done: ray.ObjectRef | None) -> Callable:
-        parts, numbers, block_rows, epochs = self.parts, self.numbers, self.block_rows, self.epochs
-        mixed = self.seed is not None
+    def read_task(self, run: list[int], *, epoch: int, index: int, done: ray.ObjectRef | None) -> Callable:
+        """Read task ``index`` of ``epoch``: its ``run`` of parts, without the rows ``done`` (packed bits)."""
+        parts, numbers, block_rows, epochs, seed = self.parts, self.numbers, self.block_rows, self.epochs, self.seed
+        task = (self.name, epoch, index)
 
         def read() -> Iterator[pa.Table]:
             with ThreadPoolExecutor(min(len(run), READ_THREADS)) as pool:
                 tables = list(pool.map(parts.load, run))
-            epochs.add_read.remote(ray.get_runtime_context().get_node_id(), sum(t.nbytes for t in tables))
+            epochs.add_read.remote(ray.get_runtime_context().get_node_id(), sum(t.nbytes for t in tables), task)
             table = pa.concat_tables(tables, promote_options="permissive")  # files may differ in their types
             rows = np.arange(table.num_rows)
+            if seed is not None:  # mixed before any row is left out: a resumed epoch keeps the order of the rest
+                rows = rows[np.random.default_rng([seed, epoch, index]).permutation(len(rows))]
             if numbers is not None:
                 number = np.concatenate([numbers[p] + np.arange(t.num_rows) for p, t in zip(run, tables)])
                 table = table.append_column(ROW, pa.array(number))
                 if done is not None:
-                    rows = rows[~trained(ray.get(done), number)]
-            if mixed:
-                rows = rows[np.random.default_rng(key).permutation(len(rows))]
+                    rows = rows[~trained(ray.get(done), number[rows])]
             table = table.take(pa.array(rows))  # one copy, in the epoch's order (a take per block copies all)
             table = table.append_column(EPOCH, pa.array(np.full(table.num_rows, epoch, np.int32)))
             for start in range(0, table.num_rows, block_rows):
@@ -160,18 +169,19 @@ class EpochSource(Datasource):
         return read
 
 
-def epoch_tasks(parts: Parts, cpus: int) -> int:
-    """Read tasks an epoch of ``parts`` takes: each holding about ``TASK_BYTES`` of them at most, and at least as many
+def epoch_tasks(parts: Parts, cpus: int, task_bytes: float) -> int:
+    """Read tasks an epoch of ``parts`` takes: each holding about ``task_bytes`` of them at most, and at least as many
     as the preprocessing nodes have CPUs (fewer parts: a task each)."""
-    return max(math.ceil(sum(parts.bytes) / TASK_BYTES), cpus)
+    return max(math.ceil(sum(parts.bytes) / task_bytes), cpus)
 
 
-def numpy_parts(pieces: list[list[ray.ObjectRef]], rows: list[int], sizes: list[int]) -> Parts:
-    """Parts that are the cache's pieces of each row group (``pieces``), fetched from the object store."""
+def cached_parts(built: Cache, groups: list[RowGroup], row_bytes: float) -> Parts:
+    """Parts that are a cache's pieces of each of the split's row ``groups`` (``built``: the cache, ``row_bytes``: a
+    cached row's estimated size), fetched from the object store."""
 
     def load(index: int) -> pa.Table:
-        got = ray.get(pieces[index])
+        got = ray.get([built.pieces[i] for i in built.by_group[index]])
         batch = {key: np.concatenate([piece[key] for piece in got]) for key in got[0]}
         return BlockAccessor.batch_to_block(batch)
 
-    return Parts(rows=rows, bytes=sizes, load=load)
+    return Parts(rows=[g.rows for g in groups], bytes=[round(g.rows * row_bytes) for g in groups], load=load)

@@ -1,14 +1,14 @@
 """The configured transform steps (built on the driver, run in Ray Data's tasks and actors): which run once
 and which every epoch, and how Ray runs them.
 
-In training every step runs in the tasks that gather each epoch's rows (:class:`Steps`), a class step built
-once per process; in prediction functions run as stateless Ray tasks and classes as an actor pool (built once
-per actor, for transforms with expensive set-up). Either way they use their own CPUs, not the training workers'.
+In training every step runs in the tasks that read each epoch's rows (:class:`Steps`, one ``map_batches`` fused
+with the reads), a class step built once per process; in prediction functions run as stateless Ray tasks and
+classes as an actor pool (built once per actor, for transforms with expensive set-up). Either way they use their
+own CPUs, not the training workers'.
 
-A transform function that declares an ``epoch`` parameter is called with the training epoch its
-pass belongs to, so seeded random augmentation changes every epoch and a resumed run repeats
-exactly what an uninterrupted one would do: each gathering task asks the job's
-:class:`pipeline.data.coordinator.Coordinator` for it once.
+A transform function that declares an ``epoch`` parameter is called with the training epoch its pass belongs to,
+so seeded random augmentation changes every epoch and a resumed run repeats exactly what an uninterrupted one
+would do: each row carries the epoch it was read for (:mod:`pipeline.data.epochs`).
 """
 
 from __future__ import annotations

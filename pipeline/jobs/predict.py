@@ -31,6 +31,7 @@ from ray.exceptions import RayTaskError, UserCodeException
 from pipeline.common import console
 from pipeline.common.errors import PipelineError, redact, root_cause
 from pipeline.config import (
+    Layout,
     NormalizeConfig,
     PipelineConfig,
     PredictConfig,
@@ -270,7 +271,7 @@ def prediction_split(cfg: PipelineConfig, evaluating: bool) -> tuple[str, source
         )
         if v
     )
-    layout = dataclasses.replace(source.Layout.of(src), classes=None)  # labels as read: names stay names
+    layout = dataclasses.replace(Layout.of(src), classes=None)  # labels as read: names stay names
     split = source.check_split(key, where, *locate(where, src.s3, key), columns=layout.inputs)
     split.layout, split.steps = layout, cfg.transforms.active("valid")
     label = layout.label if layout.label in split.columns else None

@@ -194,7 +194,7 @@ def token_refused(address: str | None) -> PipelineError:
 
 
 def on_this_node() -> dict:
-    """Ray options that keep an actor on this process's node: the job's own actors (its data coordinator, event
+    """Ray options that keep an actor on this process's node: the job's own actors (its epochs actor, event
     queue and stop notice) go with the driver, never with a preprocessing node that a cluster may lose."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

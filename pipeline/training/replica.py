@@ -15,8 +15,7 @@ import torch
 from hydra.utils import instantiate
 
 from pipeline.common.errors import PipelineError
-from pipeline.config import OnNonfinite, PipelineConfig, Strategy
-from pipeline.data.source import Layout
+from pipeline.config import Layout, OnNonfinite, PipelineConfig, Strategy
 from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ema import Ema
