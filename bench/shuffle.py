@@ -1,12 +1,12 @@
-"""Shuffle quality when an epoch is many windows deep: CIFAR-10's training rows stored a file per class (row groups
-of 1,000 rows), streamed (``ingest.cache=false``) with windows so small that an epoch is 28 of them
-(``ray.object_store_memory=100000000``, ``ingest.cache_share=0.05``), against the same rows as stored (shuffled)
-and the class-sorted copy rewritten by ``python -m pipeline.reshuffle``. Every run: ``bench/probe.py``'s linear
-classifier, 2 epochs, one training worker, the same seeds; val_accuracy and label_mix read back from MLflow, and
-whether the run warned before training.
+"""Shuffle quality when an epoch is many read tasks deep: CIFAR-10's training rows stored a file per class (row
+groups of 1,000 rows), streamed (``ingest.cache=false``) by read tasks of about one row group each
+(``ingest.read_task_mib=3``: 50 tasks an epoch), against the same rows as stored (shuffled), the class-sorted copy
+rewritten by ``python -m pipeline.reshuffle``, and the class-sorted rows read by tasks of the default size (64 MiB:
+about 20 row groups). Every run: ``bench/probe.py``'s linear classifier, 2 epochs, one training worker, the same
+seeds; val_accuracy and label_mix read back from MLflow, and whether the run warned before training.
 
 Beside them, what Ray Data's own parts mix on the class-sorted copy: ``read_parquet`` with a seeded file shuffle,
-and ``iter_batches`` with a local shuffle buffer as large as a window (1,000 rows) and ten times that.
+and ``iter_batches`` with a local shuffle buffer as large as a read task's rows here (1,000 rows) and ten times that.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PIPELINE_DATA_DIR=../shared/data python bench/shuffle.py [--seeds 0,1,2]
 
@@ -27,7 +27,8 @@ from ingest import COMMON, sorted_copy
 from report import data_dir, pipeline_run, table, write
 
 BENCH = Path(__file__).resolve().parent
-DEEP = ["ingest.cache=false", "ray.object_store_memory=100000000", "ingest.cache_share=0.05", "train.epochs=2"]
+DEEP = ["ingest.cache=false", "train.epochs=2"]
+ONE_GROUP = "ingest.read_task_mib=3"  # a read task of about one row group of 1,000 CIFAR-10 rows
 BATCH = 128
 
 
@@ -67,13 +68,16 @@ def main(seeds: list[int]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         sorted_root = sorted_copy(work / "sorted")
+        by_class = [f"source.root={sorted_root}", "source.download=null"]
         layouts = {
-            "stored (shuffled)": [],
-            "stored by class": [f"source.root={sorted_root}", "source.download=null"],
+            "stored (shuffled)": [ONE_GROUP],
+            "stored by class": [*by_class, ONE_GROUP],
             "by class, reshuffled": [
                 f"source.root={reshuffled(sorted_root, work / 'reshuffled')}",
                 "source.download=null",
+                ONE_GROUP,
             ],
+            "stored by class, tasks of 64 MiB (the default)": by_class,
         }
         runs = {name: [] for name in layouts}
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
@@ -106,6 +110,6 @@ def main(seeds: list[int]) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Shuffle quality of a class-sorted split many windows deep.")
+    parser = argparse.ArgumentParser(description="Shuffle quality of a class-sorted split many read tasks deep.")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     main([int(s) for s in parser.parse_args().seeds.split(",")])
