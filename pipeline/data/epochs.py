@@ -17,6 +17,7 @@ again), and rows mixed across the few row groups a task reads.
 from __future__ import annotations
 
 import math
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,9 +103,9 @@ def stored_parts(groups: list[RowGroup], filesystem, columns: list[str]) -> Part
 class EpochSource(Datasource):
     """A split (its ``parts``) read anew every epoch: ``tasks`` read tasks, each a run of the epoch's order of the
     parts (drawn from ``seed`` and the epoch; None: the stored order), its rows mixed (seeded alike) and handed on in
-    blocks of ``block_rows``; with ``numbers`` (:func:`row_numbers`, the training split's) each row numbered
-    (``ROW``) and those of a resumed epoch trained on before the stop left out; ``epochs``: the job's
-    :class:`Epochs`."""
+    blocks of ``block_rows``; with ``numbers`` (the training split's: :func:`pipeline.data.pieces.row_numbers`) each
+    row numbered (``ROW``) and those of a resumed epoch trained on before the stop left out; ``name``: the split's;
+    ``epochs``: the job's :class:`Epochs`."""
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class EpochSource(Datasource):
         epoch, done = ray.get(self.epochs.position.remote())
         done = done if self.numbers is not None else None
         order = group_order(len(self.parts.rows), self.seed, epoch)
+        execution = uuid.uuid4().hex  # a task that runs twice within one execution was run again by Ray
         tasks = []
         for index, run in enumerate(np.array_split(order, self.tasks)):
             meta = BlockMetadata(
@@ -139,14 +141,17 @@ class EpochSource(Datasource):
                 input_files=None,
                 exec_stats=None,
             )
-            read = self.read_task(run.tolist(), epoch=epoch, index=index, done=done)
+            read = self.read_task(run.tolist(), epoch=epoch, index=index, done=done, execution=execution)
             tasks.append(ReadTask(read, meta))
         return tasks
 
-    def read_task(self, run: list[int], *, epoch: int, index: int, done: ray.ObjectRef | None) -> Callable:
-        """Read task ``index`` of ``epoch``: its ``run`` of parts, without the rows ``done`` (packed bits)."""
+    def read_task(
+        self, run: list[int], *, epoch: int, index: int, done: ray.ObjectRef | None, execution: str
+    ) -> Callable:
+        """Read task ``index`` of ``epoch`` (of the dataset's ``execution``): its ``run`` of parts, without the rows
+        ``done`` (packed bits)."""
         parts, numbers, block_rows, epochs, seed = self.parts, self.numbers, self.block_rows, self.epochs, self.seed
-        task = (self.name, epoch, index)
+        task = (self.name, execution, index)
 
         def read() -> Iterator[pa.Table]:
             with ThreadPoolExecutor(min(len(run), READ_THREADS)) as pool:
