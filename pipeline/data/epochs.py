@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import ray
 from ray.data import Datasource, ReadTask
-from ray.data.block import BlockAccessor, BlockMetadata
+from ray.data.block import Block, BlockAccessor, BlockMetadata
 
 from pipeline.config import IngestConfig, TransformSpec
 from pipeline.data.cache import Cache, Indexed
-from pipeline.data.pieces import RowGroup, group_order, read_group, trained
+from pipeline.data.pieces import Batch, RowGroup, batch_bytes, group_order, read_group, trained
 from transforms.randomness import EPOCH, ROW
 
 READ_THREADS = 4  # a task reads up to this many parts at once (reading is mostly waiting on storage)
@@ -82,12 +83,12 @@ class Reading:
 
 @dataclass(frozen=True, kw_only=True)
 class Parts:
-    """A split's parts as its read tasks load them: per part its rows and bytes, and ``load(index)``, the part as an
-    Arrow table (a row group read from storage, or the cache's pieces of it)."""
+    """A split's parts as its read tasks load them: per part its rows and bytes, and ``load(index)``, the part: a row
+    group read from storage as an Arrow table, or the cache's pieces of it as a numpy batch."""
 
     rows: list[int]
     bytes: list[int]
-    load: Callable[[int], pa.Table]
+    load: Callable[[int], pa.Table | Batch]
 
 
 def stored_parts(groups: list[RowGroup], filesystem, columns: list[str]) -> Parts:
@@ -153,25 +154,57 @@ class EpochSource(Datasource):
         parts, numbers, block_rows, epochs, seed = self.parts, self.numbers, self.block_rows, self.epochs, self.seed
         task = (self.name, execution, index)
 
-        def read() -> Iterator[pa.Table]:
+        def read() -> Iterator[Block]:
             with ThreadPoolExecutor(min(len(run), READ_THREADS)) as pool:
-                tables = list(pool.map(parts.load, run))
-            epochs.add_read.remote(ray.get_runtime_context().get_node_id(), sum(t.nbytes for t in tables), task)
-            table = pa.concat_tables(tables, promote_options="permissive")  # files may differ in their types
-            rows = np.arange(table.num_rows)
+                loaded = list(pool.map(parts.load, run))
+            counts, sizes = zip(*map(measured, loaded))
+            epochs.add_read.remote(ray.get_runtime_context().get_node_id(), sum(sizes), task)
+            rows = np.arange(sum(counts))
             if seed is not None:  # mixed before any row is left out: a resumed epoch keeps the order of the rest
                 rows = rows[np.random.default_rng([seed, epoch, index]).permutation(len(rows))]
+            extra = {}
             if numbers is not None:
-                number = np.concatenate([numbers[p] + np.arange(t.num_rows) for p, t in zip(run, tables)])
-                table = table.append_column(ROW, pa.array(number))
+                number = np.concatenate([numbers[p] + np.arange(n) for p, n in zip(run, counts)])
                 if done is not None:
                     rows = rows[~trained(ray.get(done), number[rows])]
-            table = table.take(pa.array(rows))  # one copy, in the epoch's order (a take per block copies all)
-            table = table.append_column(EPOCH, pa.array(np.full(table.num_rows, epoch, np.int32)))
-            for start in range(0, table.num_rows, block_rows):
-                yield table.slice(start, block_rows)
+                extra[ROW] = number[rows]
+            extra[EPOCH] = np.full(len(rows), epoch, np.int32)
+            yield from blocks(loaded, rows, extra, block_rows)
 
         return read
+
+
+def blocks(loaded: list, rows: np.ndarray, extra: dict[str, np.ndarray], block_rows: int) -> Iterator[Block]:
+    """The ``rows`` (places among the ``loaded`` parts' rows, in order) with the ``extra`` columns, in blocks of
+    ``block_rows``. Parts read from storage (Arrow): one take into the order (a take per block copies the whole table
+    each time). The cache's pieces (numpy): numpy's indexing, and a frame Ray Data takes as it is (Arrow's take on
+    images of different sizes spent seconds a block; numpy's moves pointers)."""
+    if isinstance(loaded[0], pa.Table):
+        table = pa.concat_tables(loaded, promote_options="permissive").take(pa.array(rows))  # files may differ in types
+        for key, values in extra.items():
+            table = table.append_column(key, pa.array(values))
+        for start in range(0, table.num_rows, block_rows):
+            yield table.slice(start, block_rows)
+        return
+    batch = {key: np.concatenate([part[key] for part in loaded])[rows] for key in loaded[0]} | extra
+    for start in range(0, len(rows), block_rows):
+        yield frame({key: values[start : start + block_rows] for key, values in batch.items()})
+
+
+def measured(part: pa.Table | Batch) -> tuple[int, int]:
+    """A loaded part's rows and bytes."""
+    if isinstance(part, pa.Table):
+        return part.num_rows, part.nbytes
+    return len(next(iter(part.values()))), batch_bytes(part)
+
+
+def frame(batch: Batch) -> Block:
+    """A numpy batch as a block: Arrow (no copy of a fixed-shape array), or, where a column holds images of different
+    sizes, a pandas frame holding them as they are (Arrow would copy them into one buffer)."""
+    ragged = any(v.dtype == object and len(v) and isinstance(v[0], np.ndarray) for v in batch.values())
+    if not ragged:
+        return BlockAccessor.batch_to_block(batch)
+    return pd.DataFrame({key: list(values) if values.ndim > 1 else values for key, values in batch.items()})
 
 
 def epoch_tasks(parts: Parts, cpus: int, task_bytes: float) -> int:
@@ -182,11 +215,10 @@ def epoch_tasks(parts: Parts, cpus: int, task_bytes: float) -> int:
 
 def cached_parts(built: Cache, groups: list[RowGroup], row_bytes: float) -> Parts:
     """Parts that are a cache's pieces of each of the split's row ``groups`` (``built``: the cache, ``row_bytes``: a
-    cached row's estimated size), fetched from the object store."""
+    cached row's estimated size), fetched from the object store as numpy batches."""
 
-    def load(index: int) -> pa.Table:
+    def load(index: int) -> Batch:
         got = ray.get([built.pieces[i] for i in built.by_group[index]])
-        batch = {key: np.concatenate([piece[key] for piece in got]) for key in got[0]}
-        return BlockAccessor.batch_to_block(batch)
+        return {key: np.concatenate([piece[key] for piece in got]) for key in got[0]}
 
     return Parts(rows=[g.rows for g in groups], bytes=[round(g.rows * row_bytes) for g in groups], load=load)
