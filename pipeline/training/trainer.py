@@ -39,6 +39,8 @@ from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.resume import steps_per_epoch
 from pipeline.training.worker import WorkerJob
 
+FIT_THREAD_EXIT_S = 10.0  # at exit on a stop: how long the fit thread may take to leave Ray once it is shut down
+
 
 def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
     """Ray's scaling and process-group settings: nccl on GPU workers, gloo on CPU workers; workers go
@@ -208,8 +210,15 @@ def fit_off_main_thread(
         # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
         # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
         # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
-        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job).
-        atexit.register(ray.shutdown)
+        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job). The shutdown
+        # wakes the fit thread's blocking get; the thread is then waited on, so that it leaves Ray's native code
+        # before the interpreter finalizes: a daemon thread still inside it then crashed the command once, on a
+        # loaded machine, with SIGSEGV instead of exit 143 (ray-project/ray#31145).
+        def leave_ray() -> None:
+            ray.shutdown()
+            thread.join(timeout=FIT_THREAD_EXIT_S)
+
+        atexit.register(leave_ray)
         error = sys.exc_info()[1]
         if isinstance(error, (KeyboardInterrupt, SystemExit)) and on_stop is not None:
             on_stop(error)
