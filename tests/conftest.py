@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,25 @@ def unmarked_tests_start_no_ray(request):
     yield
     if not before and ray_started() and request.node.get_closest_marker("slow") is None:
         pytest.fail("this test started Ray: ask for the ray_runtime fixture (which marks it slow) or mark it slow")
+
+
+COMMANDS: list = []  # the subprocess.Popen of each command a test started (test_preemption.start)
+
+
+@pytest.fixture(autouse=True)
+def no_command_outlives_its_test():
+    """A command a failed test left running is stopped as a user stops one (SIGTERM, then SIGKILL after a minute):
+    an orphan would hold its Ray runtime and its CPUs through the tests after it."""
+    yield
+    while COMMANDS:
+        process = COMMANDS.pop()
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)  # its output read, so that a full pipe cannot hold it up
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marks

@@ -23,7 +23,7 @@ import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
-from conftest import LEDGER_ROWS
+from conftest import COMMANDS, LEDGER_ROWS
 from mlflow import MlflowClient
 from test_pipeline import cli_env
 
@@ -75,7 +75,7 @@ def start(tmp_path: Path, data: Path, *overrides: str, own_group: bool = False, 
     job step runs it, so that a test can signal it whole."""
     (tmp_path / "ledger").mkdir(exist_ok=True)
     env = {**cli_env(data), "PYTHONPATH": str(TESTS)}  # the workers import the ledger model
-    return subprocess.Popen(
+    process = subprocess.Popen(
         command(tmp_path, data, *overrides, **options),
         cwd=tmp_path,
         env=env,
@@ -84,6 +84,8 @@ def start(tmp_path: Path, data: Path, *overrides: str, own_group: bool = False, 
         text=True,
         start_new_session=own_group,
     )
+    COMMANDS.append(process)
+    return process
 
 
 def finish(process: subprocess.Popen, returncode: int = 0) -> str:
