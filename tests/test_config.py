@@ -22,7 +22,7 @@ from pipeline.runtime.cluster import Runtime, runtime, runtime_env
 from pipeline.training.precision import amp_plan
 from pipeline.training.resume import steps_per_epoch
 from pipeline.training.trainer import trainer_settings
-from pipeline.training.worker import planned_updates
+from pipeline.training.worker import planned_updates, updates_through
 
 
 def test_cifar_vit_is_the_ray_train_tutorial():
@@ -348,6 +348,17 @@ def test_elastic_workers_ask_ray_for_a_range_and_the_schedule_spans_the_longest_
     steps = {n: steps_per_epoch(109, n, 12, False) for n in range(1, 5)}
     assert steps == {1: 10, 2: 9, 3: 9, 4: 9}  # equal shards drop up to N-1 rows: one batch fewer here
     assert planned_updates(cfg, 109) == 3 * 10
+
+
+def test_optimizer_steps_count_each_epochs_last_step_once_whatever_the_accumulation():
+    """4 batches accumulated a step over epochs of 10: the steps after batches 4, 8 and 10 of each epoch are the
+    run's 1st to 6th, none counted twice (train.checkpoint_every in steps keys on them), and the last is the
+    schedule's length."""
+    batches, k = 10, 4
+    ends = [b for b in range(1, batches + 1) if b % k == 0 or b == batches]  # the worker's rule for an update
+    counted = [updates_through(epoch, b, batches_per_epoch=batches, accumulate=k) for epoch in (0, 1) for b in ends]
+    assert counted == [1, 2, 3, 4, 5, 6]
+    assert counted[-1] == updates_through(2, 0, batches_per_epoch=batches, accumulate=k)
 
 
 def wanted(overrides: list[str]) -> Runtime:

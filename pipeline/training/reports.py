@@ -93,10 +93,12 @@ class StepCheckpoints:
         ranks gather each forward's weights together, so none may stop on its own)."""
         return None if parallel.is_sharded(self.replica.model) else self.due.stopping
 
-    def taken(self, *, epoch: int, step: int, global_step: int, within: tuple[EpochTelemetry, Ledger]) -> bool:
-        """After the optimizer step ``step`` of ``epoch``: a checkpoint when one is due; True when the command is
-        stopping (it is saved, and the driver told)."""
-        due, stopping = self.due.check(global_step // self.cfg.train.accumulate)
+    def taken(
+        self, *, epoch: int, step: int, global_step: int, updates: int, within: tuple[EpochTelemetry, Ledger]
+    ) -> bool:
+        """After batch ``step`` of ``epoch``, the run's optimizer step ``updates``: a checkpoint when one is due; True
+        when the command is stopping (it is saved, and the driver told)."""
+        due, stopping = self.due.check(updates)
         if due:
             self.save(epoch=epoch, step=step, global_step=global_step, within=within, stopping=stopping)
         return stopping

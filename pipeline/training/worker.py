@@ -159,7 +159,15 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
     group of the run, so a schedule restored from a checkpoint fits the group that restores it."""
     ingest, scaling = cfg.ingest, cfg.scaling
     steps = max(steps_per_epoch(train_rows, n, ingest.batch_size, ingest.drop_last) for n in scaling.worker_counts)
-    return cfg.train.epochs * -(-steps // cfg.train.accumulate)
+    return updates_through(cfg.train.epochs, 0, batches_per_epoch=steps, accumulate=cfg.train.accumulate)
+
+
+def updates_through(epoch: int, batch: int, *, batches_per_epoch: int, accumulate: int) -> int:
+    """The optimizer steps of a run once batch ``batch`` (from 1) of ``epoch`` (from 0) is trained on: one every
+    ``accumulate`` batches and one on each epoch's last, so ceil(batches / accumulate) an epoch. (The batches
+    trained over ``accumulate`` counted the epochs' last steps as fractions: the same count twice in a row, and
+    ``train.checkpoint_every`` in steps due twice or drifting.)"""
+    return epoch * -(-batches_per_epoch // accumulate) + -(-batch // accumulate)
 
 
 def train_epoch(
@@ -218,8 +226,12 @@ def train_epoch(
             if log:  # kept with the checkpoints too: the driver logs those that never reached it
                 checkpoints.logged.append((global_step, value, at))
             last_sent, phases = time.monotonic(), None
-        if update and checkpoints.taken(epoch=epoch, step=step, global_step=global_step, within=(telemetry, ledger)):
-            return None  # the command is stopping
+        if update:
+            updates = updates_through(epoch, step, batches_per_epoch=steps.per_epoch, accumulate=accumulate)
+            if checkpoints.taken(
+                epoch=epoch, step=step, global_step=global_step, updates=updates, within=(telemetry, ledger)
+            ):
+                return None  # the command is stopping
     if replica.on_nonfinite == OnNonfinite["raise"] and (batch_number := telemetry.nonfinite_batch()):
         raise FloatingPointError(
             f"the loss became NaN or inf at epoch {epoch + 1}, batch {batch_number}: training diverged, "
