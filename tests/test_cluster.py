@@ -52,6 +52,7 @@ SMALL_PHOTOS = [
 ]
 # What a user writes in an experiment file: training on the "GPU" node by a custom resource and a label,
 # the decode steps on the "CPU" node by resource (training's) or label (validation's).
+START_TRIES = 3
 PLACEMENT = [
     "+scaling.resources_per_worker.gpu_node=1",
     "+scaling.label_selector.node-type=gpu",
@@ -63,17 +64,23 @@ PLACEMENT = [
 @contextmanager
 def local_cluster(layout: str):
     """A cluster of ``layout`` (tests/local_cluster.py) in its own process, with the dashboard for the state API; its
-    workers import tests/ modules (the ledger model) as a cluster's image would hold a user's code."""
-    helper = subprocess.Popen(
-        [sys.executable, str(HERE / "local_cluster.py"), layout, str(free_port())],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE)},  # the nodes' workers import the ledger model and its step
-    )
-    try:
+    workers import tests/ modules (the ledger model) as a cluster's image would hold a user's code. A start that
+    fails is tried again on another port, up to ``START_TRIES`` times: the dashboard's port, free when picked, was
+    once taken by another process before the head bound it (4 tests lost to one port in a full suite)."""
+    for _ in range(START_TRIES):
+        helper = subprocess.Popen(
+            [sys.executable, str(HERE / "local_cluster.py"), layout, str(free_port())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(HERE)},  # the nodes' workers import the ledger model and its step
+        )
         line = helper.stdout.readline()
-        assert line, f"the cluster did not start (exit {helper.poll()})"
+        if line:
+            break
+        helper.wait(timeout=120)  # its traceback is in the test's captured stderr
+    assert line, f"the cluster did not start in {START_TRIES} tries (exit {helper.poll()})"
+    try:
         yield {**json.loads(line), "helper": helper}
     finally:
         helper.stdin.close()  # the helper shuts the cluster down
