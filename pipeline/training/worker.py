@@ -164,9 +164,8 @@ def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
 
 def updates_through(epoch: int, batch: int, *, batches_per_epoch: int, accumulate: int) -> int:
     """The optimizer steps of a run once batch ``batch`` (from 1) of ``epoch`` (from 0) is trained on: one every
-    ``accumulate`` batches and one on each epoch's last, so ceil(batches / accumulate) an epoch. (The batches
-    trained over ``accumulate`` counted the epochs' last steps as fractions: the same count twice in a row, and
-    ``train.checkpoint_every`` in steps due twice or drifting.)"""
+    ``accumulate`` batches and one on each epoch's last, so ceil(batches / accumulate) an epoch: what the LR schedule
+    spans and what ``train.checkpoint_every`` in steps counts."""
     return epoch * -(-batches_per_epoch // accumulate) + -(-batch // accumulate)
 
 
