@@ -1,11 +1,12 @@
-"""Failures with real processes and signals: Ray lost under a run, Ctrl-C swallowed where it landed (a killed
-training worker: test_preemption.py).
+"""Failures with real processes and signals: Ray lost under a run, Ctrl-C swallowed where it landed, a stopped
+command leaving Ray only once its run has ended (a killed training worker: test_preemption.py).
 (SIGTERM on the command and resuming the interrupted run into the same MLflow run: the S3 run in
 test_s3.py, which is interrupted and resumed.)"""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -146,3 +147,56 @@ def test_a_ctrl_c_swallowed_where_it_landed_still_stops_training(monkeypatch):
     threading.Timer(0.3, swallowed_ctrl_c).start()
     with pytest.raises(KeyboardInterrupt):  # not "finished"
         trainer.fit_off_main_thread(SlowTrainer())
+
+
+def test_python_marks_a_running_thread_ended_when_a_signal_interrupts_its_join():
+    """Canary (Python 3.11): why ``fit_off_main_thread`` waits on an Event. A join that a signal handler's exception
+    interrupts releases the live thread's lock and marks it ended (threading.py's bpo-45274 branch): a later join
+    returns at once, and the stopped command shut Ray down under a thread still in ray.get."""
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, daemon=True)
+    thread.start()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            thread.join()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    thread.join(timeout=5)
+    assert not thread.is_alive() and not release.is_set()  # "ended" at once, though it still waits
+    release.set()
+
+
+def test_a_stopped_fit_leaves_ray_only_once_its_run_has_ended(monkeypatch):
+    """On a stop after which the workers end (their stop checkpoint saved), the exit handler shuts Ray down after
+    Ray Train's run has returned, not while the fit thread is still in ray.get (a SIGSEGV at exit, Ray 2.60)."""
+    from pipeline.common import signals
+    from pipeline.training import trainer
+
+    monkeypatch.setattr(signals, "_requests", [])
+    at_exit, order = [], []
+    monkeypatch.setattr(trainer.atexit, "register", at_exit.append)
+    monkeypatch.setattr(trainer.ray, "shutdown", lambda: order.append("ray shut down"))
+
+    class EndingTrainer:  # stands in for TorchTrainer: its run ends 1 s after the stop
+        def fit(self) -> str:
+            time.sleep(1.0)
+            order.append("run ended")
+            return "stopped"
+
+    def sigterm() -> None:  # the handler's request, raised where the main thread waits on training
+        with contextlib.suppress(SystemExit):
+            signals.request_stop(SystemExit(143))
+
+    threading.Timer(0.2, sigterm).start()
+    with pytest.raises(SystemExit):
+        trainer.fit_off_main_thread(EndingTrainer(), on_stop=lambda error: True)
+    assert order == []  # the process has not begun to exit
+    (leave_ray,) = at_exit
+    leave_ray()
+    assert order == ["run ended", "ray shut down"]

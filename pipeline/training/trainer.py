@@ -10,6 +10,7 @@ around: ``tests/test_ray_canaries.py``.
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 import tempfile
 import threading
@@ -39,7 +40,9 @@ from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.resume import steps_per_epoch
 from pipeline.training.worker import WorkerJob
 
-FIT_THREAD_EXIT_S = 10.0  # at exit on a stop: how long the fit thread may take to leave Ray once it is shut down
+log = logging.getLogger(__name__)
+
+FIT_THREAD_EXIT_S = 10.0  # at exit on a stop: how long Ray Train's run may take to end before Ray is shut down
 
 
 def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, TorchConfig]:
@@ -169,22 +172,23 @@ def fit(
 
 def stop_with_notice(
     notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None, error: BaseException
-) -> None:
+) -> bool:
     """The workers asked for a checkpoint at the step they are on
     (:func:`pipeline.training.preemption.checkpoint_before_stop`), the stop (``error``) handed to ``handler`` while
     they save it, then the checkpoint, handed to it at once: the command ends before Ray Train's controller would
-    relay it."""
+    relay it. Whether it came: the workers then end, and Ray Train's run with them."""
     recorded = partial(handler.stopping, error) if handler is not None else lambda: None
     saved = preemption.checkpoint_before_stop(notice, grace_s, recorded)
     if saved is not None and handler is not None:
         handler.step_checkpointed(saved)
+    return saved is not None
 
 
 def fit_off_main_thread(
-    trainer: TorchTrainer, on_stop: Callable[[BaseException], None] | None = None
+    trainer: TorchTrainer, on_stop: Callable[[BaseException], bool] | None = None
 ) -> ray.train.Result:
     """``trainer.fit()`` in a helper thread, waited on from this one; on Ctrl-C or SIGTERM, ``on_stop`` runs
-    before the stop goes on (the workers' checkpoint at the step they are on).
+    before the stop goes on (the workers' checkpoint at the step they are on; True when the workers end after it).
 
     Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
     installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
@@ -193,35 +197,40 @@ def fit_off_main_thread(
     is recorded as KILLED, and leaving the process takes the run's actors with it.
     """
     outcome: dict[str, Any] = {}
+    done = threading.Event()
 
     def target() -> None:
         try:
             outcome["result"] = trainer.fit()
         except BaseException as err:  # re-raised on the calling thread
             outcome["error"] = err
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
-    thread.start()
+    threading.Thread(target=target, name="ray-train-fit", daemon=True).start()
     try:
-        while thread.is_alive():
-            thread.join(timeout=0.5)  # a bounded wait lets signals through
+        # An Event, not Thread.join: Python 3.11's join, interrupted by a signal handler's exception, marks a
+        # thread that still runs as ended (threading.py's bpo-45274 branch), so no later join would wait for it.
+        while not done.wait(timeout=0.5):  # a bounded wait lets signals through
             signals.raise_requested()
     except BaseException:
-        # The fit thread goes on polling the controller while the process leaves; a reply it unpickles after
-        # pyarrow's exit handler finalized S3 (an s3:// storage path's filesystem) logs "Attempt to initialize
-        # S3 after it has been finalized" with a traceback. Exit handlers run last registered first: this one
-        # disconnects from Ray before pyarrow finalizes S3 (tests/test_jobs.py, the stopped S3 job). The shutdown
-        # wakes the fit thread's blocking get; the thread is then waited on, so that it leaves Ray's native code
-        # before the interpreter finalizes: a daemon thread still inside it then crashed the command once, on a
-        # loaded machine, with SIGSEGV instead of exit 143 (ray-project/ray#31145).
+        # At exit Ray is shut down, after Ray Train's run has ended when the workers end after their stop checkpoint
+        # (the controller returns within about a second). Ray 2.60: ray.shutdown() while the fit thread still
+        # blocked in ray.get crashed the command with SIGSEGV instead of exit 143, in 3 of 11 stops on a loaded
+        # machine (tests/test_preemption.py; none in 12 once the run had ended). Exit handlers run last registered
+        # first: this one also leaves Ray before pyarrow's finalizes S3 (an s3:// storage path's filesystem), which
+        # a reply the fit thread unpickled after it reported as "Attempt to initialize S3 after it has been finalized".
+        workers_end = False
+
         def leave_ray() -> None:
+            if workers_end and not done.wait(timeout=FIT_THREAD_EXIT_S):
+                log.warning("Ray Train's run did not end within %gs of the stop; shutting Ray down", FIT_THREAD_EXIT_S)
             ray.shutdown()
-            thread.join(timeout=FIT_THREAD_EXIT_S)
 
         atexit.register(leave_ray)
         error = sys.exc_info()[1]
         if isinstance(error, (KeyboardInterrupt, SystemExit)) and on_stop is not None:
-            on_stop(error)
+            workers_end = on_stop(error)
         raise
     if "error" in outcome:
         raise outcome["error"]
