@@ -22,6 +22,11 @@ def request_stop(error: BaseException) -> None:
     raise error
 
 
+def stop_requested() -> bool:
+    """Whether a signal has asked the command to stop."""
+    return bool(_requests)
+
+
 def raise_requested() -> None:
     """Raise the first stop a signal asked for, if any."""
     if _requests:

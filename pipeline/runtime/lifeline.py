@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 import psutil
 import ray
 
+from pipeline.common import signals
+
 log = logging.getLogger(__name__)
 
 POLL_S = 2.0  # between two probes of the GCS (and a local raylet)
@@ -39,9 +41,12 @@ def watched(on_lost: Callable[[str], None]) -> Iterator[None]:
     def watch() -> None:
         failures = 0
         while not stop.wait(POLL_S):
-            if own.raylet_gone():
-                lost(f"this machine's raylet (pid {own.raylet.pid}) is gone", on_lost, own)
+            gone = own.raylet_gone()
             failures = 0 if answers(address) else failures + 1
+            if signals.stop_requested():  # Ray's processes go with a stopping command (a shutdown SIGTERMs them all):
+                return  # the stop is recorded, KILLED, not Ray lost, FAILED (a race the lifeline won under load)
+            if gone:
+                lost(f"this machine's raylet (pid {own.raylet.pid}) is gone", on_lost, own)
             if failures >= LOST_AFTER:
                 lost(f"its GCS at {address} stopped answering", on_lost, own)
             own.refresh()
