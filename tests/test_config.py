@@ -177,6 +177,15 @@ def test_keys_added_with_plus_are_checked_too(override, message):
             ["scaling.num_workers=[1,3]", "train.max_failures=1"],
             r"ingest.batch_size \(128\) .* scaling.num_workers \(\[1, 3\]: not 3 of them\)",
         ),
+        (
+            ["scaling.local_mode=true"],
+            r"scaling.local_mode=true trains the one worker in the driver's process, but scaling.num_workers=2 needs",
+        ),
+        (
+            ["scaling.local_mode=true", "scaling.num_workers=1", "train.max_failures=2"],
+            r"but train.max_failures=2 \(a lost worker restarts\) needs Ray Train's worker group",
+        ),
+        (["scaling.local_mode=yes"], r"scaling.local_mode must be auto, true or false, got 'yes'"),
         (["train.epochs=0"], r"train.epochs must be >= 1"),
         (["source.limit=0"], r"source.limit must be >= 1"),
         (["train.amp_dtype=float8"], r"train.amp_dtype: expected one of bfloat16, float16, got 'float8'"),

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import descendants, free_port, in_process, write_split
+from conftest import DETERMINISTIC, descendants, free_port, in_process, write_split
 from exported import best_model_exports
 from mlflow import MlflowClient
 from mlflow.entities import Run
@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from pipeline.common import startup
 from pipeline.common.errors import PipelineError
+from pipeline.training import checkpoint
 
 # The README's quick start (cifar_vit_cpu) on the 512 generated training rows: 16 steps a worker an epoch
 QUICK_START = ["+experiment=cifar_vit_cpu", "train.epochs=4", "ingest.batch_size=32"]
@@ -243,6 +244,57 @@ def test_one_and_two_workers_agree_on_validation_of_the_same_weights(tmp_path, d
             f"val_accuracy {one['val_accuracy']:.4g} is no better than always predicting the validation split's most"
         )
     assert leftover_actors() == []  # both jobs shared the runtime and left no training actors behind
+
+
+@pytest.mark.slow
+def test_a_one_worker_run_in_the_driver_records_what_a_worker_group_of_one_records(
+    tmp_path, data_root, ray_runtime, monkeypatch
+):
+    """The same seeded one-worker job, in Ray Train's local mode (the worker is this process) and on a worker group:
+    the same metrics, step losses, start-up phases and artifacts in MLflow, the same weights, and the same checkpoints
+    kept (the best by val_loss and the latest, one taken within an epoch among them), each the run's model."""
+    monkeypatch.setenv("PIPELINE_DATA_DIR", str(data_root))
+    job = [
+        *DETERMINISTIC,
+        "train.epochs=2",
+        "train.num_to_keep=1",
+        "train.checkpoint_metric=val_loss",
+        "train.checkpoint_every=20",
+        "tracking.log_every_n_steps=4",
+        "tracking.system_metrics_s=1",  # both runs outlast it
+    ]
+    runs = {}
+    for name, local in (("driver", "true"), ("group", "false")):
+        _, run_dir = in_process(tmp_path, name, [*job, f"scaling.local_mode={local}", f"tracking.run_name={name}"])
+        client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+        (run,) = client.search_runs(
+            [client.get_experiment_by_name("smoke").experiment_id], filter_string=f"tags.mlflow.runName = '{name}'"
+        )
+        (worker,) = [json.loads(line) for line in (run_dir / "workers.jsonl").read_text().splitlines()]
+        reports = [json.loads(line)["ranks"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        storage = Path(run.data.tags["pipeline.storage"])
+        kept = sorted(
+            checkpoint.place(json.loads((c / "report.json").read_text()))
+            for c in storage.glob("checkpoint_*")
+            if c.is_dir()
+        )
+        history = {
+            key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+            for key in ("train_loss", "val_loss", "val_accuracy", "train_rows", "train_loss_step", "checkpoint_step")
+        }
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        runs[name] = (run, worker, reports, kept, history, artifacts)
+    (local_run, in_driver, local_reports, *local_rest), (group_run, in_group, group_reports, *group_rest) = (
+        runs.values()
+    )
+    assert in_driver["pid"] == os.getpid() and in_group["pid"] != os.getpid()
+    assert local_run.info.status == group_run.info.status == "FINISHED"
+    assert set(local_run.data.metrics) == set(group_run.data.metrics)  # start-up phases and system metrics too
+    assert [r[0]["weights_sha256"] for r in local_reports] == [r[0]["weights_sha256"] for r in group_reports]
+    assert local_rest == group_rest  # the checkpoints kept, the metric histories, the artifacts
+    kept, history, _ = local_rest
+    assert kept[-1] == (1, 1, 0) and all(step == 0 for _, _, step in kept)  # those within an epoch (unscored) went
+    assert len(history["train_loss_step"]) == 16 and len(history["checkpoint_step"]) == 3
 
 
 @pytest.mark.slow

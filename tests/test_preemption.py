@@ -168,7 +168,8 @@ def wait_for_validation(tmp_path: Path, pid: int, timeout_s: float = 180.0) -> N
 def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_an_uninterrupted_one_does(
     tmp_path, ledger_data
 ):
-    """One worker, rows in block order: two uninterrupted runs compute the same weights. SIGTERM while epoch 1
+    """One worker (in the command's process: Ray Train's local mode), rows in block order: two uninterrupted runs
+    compute the same weights. SIGTERM while epoch 1
     validates (slowly): validation stops and the checkpoint holds all of epoch 1's steps. Resumed, the run trains
     no row of epoch 1 again and validates it; SIGTERM halfway through epoch 2: the worker checkpoints at the step it
     is on. Resumed again, it continues after that step. Each time the run ends KILLED; in the end each row was
@@ -186,7 +187,8 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
     # in the full suite: the driver's notice came after validation's 1.5 s)
     stopped = ["+model.valid_delay_s=1.0", "tracking.run_name=stopped", "train.stop_grace_s=60", *deterministic]
     first = start(tmp_path, ledger_data, *stopped)
-    wait_for_validation(tmp_path, workers(tmp_path)[0]["pid"])
+    assert workers(tmp_path)[0]["pid"] == first.pid  # one worker: Ray Train's local mode, in the command's process
+    wait_for_validation(tmp_path, first.pid)
     first.send_signal(signal.SIGTERM)
     assert f"stopping: checkpointed at epoch 1, step {per_epoch}" in finish(first, 143)
     storage = str(next((tmp_path / "run" / "checkpoints").iterdir()))

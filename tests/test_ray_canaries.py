@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 import ray
 import ray.cloudpickle
@@ -26,6 +28,9 @@ from pipeline.common.workarounds import (
     release_placement_group,
     streamed_blocks,
 )
+from pipeline.runtime.filesystems import RunStorage
+from pipeline.training import checkpoint
+from pipeline.training.local_mode import LocalReports
 from pipeline.training.trainer import explain, kept_checkpoints
 
 
@@ -112,29 +117,68 @@ def report_worsening_checkpoints(config: dict) -> None:
             ray.train.report({"epoch": epoch, "score": score}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
+class Told(ray.train.UserCallback):
+    """A Ray Train callback that leaves a file at ``path`` when a report reaches it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        Path(self.path).touch()
+
+
 @pytest.mark.slow
-def test_best_checkpoints_leave_out_the_latest_checkpoint_ray_keeps(ray_runtime, tmp_path):
-    """Workaround: ``kept_checkpoints``. With num_to_keep=1, Ray Train keeps the best checkpoint and the latest
-    on storage, but ``Result.best_checkpoints`` lists the best alone."""
+def test_ray_keeps_the_best_checkpoint_and_the_latest_lists_the_best_alone_and_in_local_mode_keeps_none(
+    ray_runtime, tmp_path
+):
+    """Workarounds: ``kept_checkpoints``: with num_to_keep=1, Ray Train keeps the best checkpoint and the latest on
+    storage, but ``Result.best_checkpoints`` lists the best alone. ``pipeline.training.local_mode``: in Ray Train's
+    local mode (num_workers=0) the same reports leave nothing in storage, no callback runs and the Result has no
+    path; ``LocalReports`` persists them and keeps the checkpoints Ray keeps."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    keeping = ray.train.CheckpointConfig(
+        num_to_keep=1, checkpoint_score_attribute="score", checkpoint_score_order="max"
+    )
     result = TorchTrainer(
         report_worsening_checkpoints,
         scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 0.5}),
-        run_config=ray.train.RunConfig(
-            storage_path=str(tmp_path),
-            name="kept",
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=1, checkpoint_score_attribute="score", checkpoint_score_order="max"
-            ),
-        ),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="kept", checkpoint_config=keeping),
     ).fit()
     on_storage = {str(path) for path in (tmp_path / "kept").glob("checkpoint_*") if path.is_dir()}
-    assert len(on_storage) == 2  # the best (epoch 0) and the latest (epoch 2)
+    assert {(Path(path) / "epoch.txt").read_text() for path in on_storage} == {"0", "2"}  # the best, the latest
     listed = {checkpoint.path for checkpoint, _ in result.best_checkpoints}
     assert len(listed) == 1 and result.checkpoint.path not in listed, (
         "best_checkpoints now lists the latest checkpoint too: kept_checkpoints may go"
     )
-    assert kept_checkpoints(result) == on_storage
+    assert kept_checkpoints(result, RunStorage(str(tmp_path), "kept", pafs.LocalFileSystem(), "")) == on_storage
+
+    local = TorchTrainer(
+        report_worsening_checkpoints,
+        scaling_config=ray.train.ScalingConfig(num_workers=0),
+        run_config=ray.train.RunConfig(
+            storage_path=str(tmp_path),
+            name="local",
+            checkpoint_config=keeping,
+            callbacks=[Told(str(tmp_path / "told"))],
+        ),
+    ).fit()
+    assert local.path is None and not local.best_checkpoints, "local mode now keeps a record: revisit local_mode.py"
+    assert not (tmp_path / "local").exists() and not (tmp_path / "told").exists(), "local mode persists now"
+
+    events = queue.SimpleQueue()
+    ours = RunStorage(str(tmp_path), "ours", pafs.LocalFileSystem(), "")
+    reports = LocalReports(storage=ours, num_to_keep=1, metric="score", mode="max", events=events)
+    for epoch, score in enumerate((0.9, 0.5, 0.1)):
+        directory = tmp_path / f"written-{epoch}"
+        directory.mkdir()
+        checkpoint.write_report(str(directory), {"epoch": epoch, "score": score}, {}, [])
+        reports.persist(str(directory), {"epoch": epoch, "score": score})
+        assert not directory.exists()  # the local copy goes, as Ray Train's does
+    kept = checkpoint.reports(pafs.LocalFileSystem(), str(tmp_path / "ours"))
+    assert [report["epoch"] for _, report in kept] == [0, 2]
+    relayed = [events.get() for _ in range(3)]
+    assert [event.ranks[0]["epoch"] for event in relayed] == [0, 1, 2]
+    assert [relayed[0].checkpoint, relayed[2].checkpoint] == [path for path, _ in kept]
 
 
 def report_epochs_forever(config: dict) -> None:

@@ -390,3 +390,11 @@ def check_workers(scaling: ScalingConfig, train: TrainConfig) -> None:
         "nodes from the latest checkpoint, and counts it as a failure. Set train.max_failures to the number "
         "of such restarts the run may take (e.g. 3, or -1 for no limit).",
     )
+    local = scaling.local_mode
+    _require(local in (True, False, "auto"), f"scaling.local_mode must be auto, true or false, got {local!r}.")
+    group = scaling.needs_worker_group(train.max_failures)
+    _require(
+        local is not True or group is None,
+        f"scaling.local_mode=true trains the one worker in the driver's process, but {group} needs Ray Train's "
+        "worker group. Set scaling.local_mode=auto (or false), or change that setting.",
+    )

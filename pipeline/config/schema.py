@@ -220,6 +220,22 @@ class ScalingConfig:
     data_cpus: Optional[float] = None  # CPU budget for Ray Data preprocessing; null: what training leaves
     torch_threads: Optional[int] = None  # intra-op threads per worker; null: Ray's default
     elastic_resize_monitor_interval_s: float = 60.0  # elastic: how often Ray Train looks for room to grow
+    # Ray Train's local mode: a one-worker run trains in the driver's process, with no worker group to start.
+    # auto: when nothing needs a group (one DDP worker, no restarts, one node, the driver's own GPU); true:
+    # always (a setting that needs a group fails); false: never (docs/configuration.md)
+    local_mode: Any = "auto"
+
+    def needs_worker_group(self, max_failures: int) -> str | None:
+        """What of these settings needs Ray Train's worker group rather than its local mode, or None."""
+        extra = set(self.resources_per_worker) - {"CPU", "GPU"}
+        reasons = {
+            f"scaling.num_workers={self.num_workers}": self.num_workers != 1,
+            "scaling.strategy=fsdp": self.strategy != Strategy.ddp,
+            f"train.max_failures={max_failures} (a lost worker restarts)": max_failures != 0,
+            "scaling.label_selector (the worker's node chosen by label)": bool(self.label_selector),
+            f"scaling.resources_per_worker's {', '.join(sorted(extra))}": bool(extra),
+        }
+        return next((reason for reason, needed in reasons.items() if needed), None)
 
     @property
     def min_workers(self) -> int:

@@ -139,7 +139,8 @@ class TrainingJob:
         if tracker.epochs.last is None:
             raise PipelineError("training finished without reporting an epoch.")
         tracker.finish_models(
-            trainer.kept_checkpoints(result), None if self.job.sweep_dir else cfg.tracking.register_alias
+            trainer.kept_checkpoints(result, tracker.storage),
+            None if self.job.sweep_dir else cfg.tracking.register_alias,
         )
         kind, names = cfg.task.type, cfg.task.metrics
         baseline = task.constant_baseline(kind, names, source.labels(self.splits["valid"]))

@@ -93,6 +93,7 @@ class Due:
         self.last = self.drains_checked = time.monotonic()
         self.draining: set[str] = set()  # the drained nodes a checkpoint was taken for
         self.why = ""  # what the last checkpoint that came due was for
+        self.ended = False  # training is over (end)
         if self.notice is not None:
             threading.Thread(target=self.watch, name="stop-notice", daemon=True).start()
         self.group, self.pending = None, None
@@ -105,9 +106,15 @@ class Due:
         try:
             ray.get(self.notice.stopped.remote())
         except ray.exceptions.RayActorError:
+            if self.ended:  # local mode: the worker is the driver's process, which ends the notice after training
+                return
             log.warning("the driver's stop notice is gone with the driver: checkpointing at this step")
             self.notice = None
         self.stopping.set()
+
+    def end(self) -> None:
+        """Training is over: the notice's end says nothing more."""
+        self.ended = True
 
     def check(self, updates: int) -> tuple[bool, bool]:
         """After optimizer step ``updates`` of the run: (a checkpoint is due, the command is stopping)."""

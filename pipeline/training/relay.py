@@ -62,14 +62,17 @@ class ReportRelay(ray.train.UserCallback):
         self.events = events
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        path = checkpoint.path if checkpoint else None
-        first = metrics[0]
-        if STEP_KEY in first:  # a checkpoint within the epoch: no epoch's metrics
-            step, global_step, why = first[STEP_KEY], first["global_step"], first.get("why", "")
-            saved = StepCheckpointed(epoch=first["epoch"], step=step, global_step=global_step, checkpoint=path, why=why)
-            self.events.put(saved)
-        else:
-            self.events.put(EpochReported(metrics, path))
+        self.events.put(reported(metrics, checkpoint.path if checkpoint else None))
+
+
+def reported(metrics: list[dict], path: str | None) -> EpochReported | StepCheckpointed:
+    """The event of a report (every rank's ``metrics``) whose checkpoint is at ``path`` in storage: a checkpoint
+    within an epoch (no epoch's metrics), or an epoch's report."""
+    first = metrics[0]
+    if STEP_KEY in first:
+        step, global_step, why = first[STEP_KEY], first["global_step"], first.get("why", "")
+        return StepCheckpointed(epoch=first["epoch"], step=step, global_step=global_step, checkpoint=path, why=why)
+    return EpochReported(metrics, path)
 
 
 def checked_ranks(report: EpochReported) -> list[dict]:

@@ -20,6 +20,7 @@ from pipeline.training import checkpoint, parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import STEP_KEY, StepCheckpointed
 from pipeline.training.ledger import Ledger
+from pipeline.training.local_mode import LocalReports
 from pipeline.training.replica import Replica
 from pipeline.training.telemetry import EpochTelemetry
 
@@ -38,13 +39,15 @@ def report(
     *,
     steps: list[tuple[int, float, float]],
     position: tuple[np.ndarray, dict] | None = None,
+    local: LocalReports | None = None,
 ) -> None:
     """``ray.train.report`` (a barrier: every rank calls it once per epoch, and at each checkpoint within it) with
     the checkpoint, written to a local directory that Ray Train uploads to storage and then deletes: with
     ``upload`` async (``train.checkpoint_upload``) in a thread while training goes on. Every rank's files and their
     sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`), and
     so do the epoch's logged ``steps`` (rank 0's). ``position``: a checkpoint within the epoch, the rows trained on
-    and the epoch's figures so far."""
+    and the epoch's figures so far. ``local``: a run in Ray Train's local mode, whose report this call persists and
+    relays (:mod:`pipeline.training.local_mode`)."""
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     replica.save(directory, epoch, stopper, rank)
     if position is not None and rank == 0:
@@ -53,6 +56,9 @@ def report(
     written = {name: size for files in every_rank for name, size in files.items()}
     if rank == 0:
         checkpoint.write_report(directory, metrics, written, steps)
+    if local is not None:  # synchronous: the one worker's copy is the driver's process's
+        ray.train.report(metrics, checkpoint=local.persist(directory, metrics))
+        return
     saved = None
     if os.listdir(directory):
         saved = ray.train.Checkpoint.from_directory(directory)
@@ -72,6 +78,7 @@ class StepCheckpoints:
     stopper: EarlyStopping | None
     cfg: PipelineConfig
     rank: int
+    local: LocalReports | None = None  # a run in Ray Train's local mode: its reports persisted and relayed here
     logged: list[tuple[int, float, float]] = field(default_factory=list)  # rank 0's train_loss_step records
     previous: int = -1  # the global step of the checkpoint before
 
@@ -116,7 +123,17 @@ class StepCheckpoints:
         upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
         position = ledger.trained(), telemetry.carried()  # collectives: every rank
         steps = self.carried(global_step)
-        report(metrics, self.replica, epoch, self.stopper, self.rank, upload, steps=steps, position=position)
+        report(
+            metrics,
+            self.replica,
+            epoch,
+            self.stopper,
+            self.rank,
+            upload,
+            steps=steps,
+            position=position,
+            local=self.local,
+        )
         self.due.saved()
         if stopping and self.rank == 0 and self.due.notice is not None:  # the driver waits for it
             saved = StepCheckpointed(epoch=epoch, step=step, global_step=global_step, checkpoint=None)

@@ -10,11 +10,15 @@ around: ``tests/test_ray_canaries.py``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import math
+import os
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -31,11 +35,12 @@ from pipeline.common import signals
 from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import PipelineConfig, ScalingConfig, Strategy
 from pipeline.data.preprocess import TrainingData
-from pipeline.runtime.cluster import on_this_node
+from pipeline.runtime.cluster import alive_nodes, on_this_node
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import checkpoint, finetune, parallel, preemption
 from pipeline.training.entry import train_loop_per_worker
 from pipeline.training.finetune import Initial
+from pipeline.training.local_mode import LocalReports
 from pipeline.training.relay import EventHandler, ReportRelay, relayed
 from pipeline.training.resume import steps_per_epoch
 from pipeline.training.worker import WorkerJob
@@ -58,15 +63,61 @@ def trainer_settings(scaling: ScalingConfig) -> tuple[ray.train.ScalingConfig, T
     return scaling_config, TorchConfig(backend="nccl" if scaling.use_gpu else "gloo")
 
 
-def data_config(cfg: PipelineConfig) -> DataConfig:
-    """How Ray Train executes the datasets it splits: Ray's defaults, unless the config changes them."""
+def execution_options(cfg: PipelineConfig) -> ray.data.ExecutionOptions | None:
+    """How Ray Data executes the datasets training reads: Ray's defaults (None), unless the config changes them."""
     data_cpus = cfg.scaling.data_cpus
-    execution_options = None
-    if data_cpus is not None or cfg.ingest.preserve_order:
-        execution_options = ray.data.ExecutionOptions(preserve_order=cfg.ingest.preserve_order)
-        if data_cpus is not None:
-            execution_options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
-    return DataConfig(execution_options=execution_options)
+    if data_cpus is None and not cfg.ingest.preserve_order:
+        return None
+    options = ray.data.ExecutionOptions(preserve_order=cfg.ingest.preserve_order)
+    if data_cpus is not None:
+        options.resource_limits = ray.data.ExecutionResources(cpu=data_cpus)
+    return options
+
+
+def worker_group_reason(cfg: PipelineConfig, tuned: bool) -> str | None:
+    """Why this run trains on Ray Train's worker group, or None: in this process, Ray Train's local mode (no
+    worker group to start: on 2 cores the first step comes ~15 s sooner, docs/performance.md). ``auto`` takes local
+    mode wherever nothing needs a group; ``tuned``: a Tune trial, whose reports reach Tune through Ray Train's
+    controller."""
+    scaling = cfg.scaling
+    if scaling.local_mode is not True:
+        nodes = len(alive_nodes())
+        reasons = {
+            "scaling.local_mode=false": scaling.local_mode is False,
+            scaling.needs_worker_group(cfg.train.max_failures): True,
+            "a Tune trial (it reports to Tune through Ray Train's controller)": tuned,
+            f"{nodes} nodes (the worker goes where its resources are)": nodes > 1,
+            "scaling.use_gpu with no GPU in the driver's process": scaling.use_gpu and not torch.cuda.is_available(),
+        }
+        return next((reason for reason, needed in reasons.items() if reason and needed), None)
+    return None
+
+
+def local_datasets(cfg: PipelineConfig, data: TrainingData) -> dict[str, ray.data.Dataset]:
+    """The datasets as a run in local mode reads them whole (Ray Train's local mode applies no DataConfig): executed
+    as :func:`execution_options` says, Ray Data's CPUs (``scaling.data_cpus``: null) what the worker a group would
+    start leaves of the runtime's."""
+    options = execution_options(cfg) or ray.data.ExecutionOptions()
+    if cfg.scaling.data_cpus is None:
+        left = ray.cluster_resources().get("CPU", 0) - cfg.scaling.resources_per_worker.get("CPU", 0)
+        options.resource_limits = ray.data.ExecutionResources(cpu=max(left, 1))
+    for dataset in data.datasets.values():
+        dataset.context.execution_options = options
+    return data.datasets
+
+
+@contextmanager
+def local_threads(scaling: ScalingConfig) -> Iterator[None]:
+    """The intra-op threads a worker of ``scaling.resources_per_worker`` gets from Ray (its CPUs, at least one:
+    OMP_NUM_THREADS, unless exported) while this process trains in local mode; then as before."""
+    cpus = scaling.resources_per_worker.get("CPU", 1)
+    threads = scaling.torch_threads or (None if "OMP_NUM_THREADS" in os.environ else max(math.floor(cpus), 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_trainer(
@@ -78,14 +129,24 @@ def build_trainer(
     *,
     initial: Initial | None,
     notice: ray.actor.ActorHandle | None = None,
+    local: bool = False,
 ) -> TorchTrainer:
     """A TorchTrainer for the typed config; workers send their events to ``events`` and answer ``notice`` (a stop
     with notice: :mod:`pipeline.training.preemption`); ``callbacks``
     run in Ray Train's controller besides the one that relays each report to ``events``; ``initial``
     (the weights training starts from) goes to Ray's object store once, for every worker. With FSDP, every
     tensor of the model is built here instead and saved to the run's storage (:func:`save_start`): the workers
-    build theirs on the meta device and each reads its shards."""
+    build theirs on the meta device and each reads its shards. ``local``: the one worker in this process (Ray Train's
+    local mode), its reports persisted and relayed by the worker itself (:mod:`pipeline.training.local_mode`)."""
     scaling_config, torch_config = trainer_settings(cfg.scaling)
+    datasets, reports = data.datasets, None
+    if local:
+        scaling_config, datasets = ray.train.ScalingConfig(num_workers=0), local_datasets(cfg, data)
+        train = cfg.train
+        mode = checkpoint.checkpoint_mode(train, cfg.task)
+        reports = LocalReports(
+            storage=storage, num_to_keep=train.num_to_keep, metric=train.checkpoint_metric, mode=mode, events=events
+        )
     start = None
     if cfg.scaling.strategy == Strategy.fsdp:
         start = save_start(finetune.whole_start(cfg.model, cfg.finetune, initial, cfg.train.seed).state, storage)
@@ -104,13 +165,14 @@ def build_trainer(
                     start=start,
                     storage=storage,
                     notice=notice,
+                    local=reports,
                 )
             )
         },
         scaling_config=scaling_config,
         torch_config=torch_config,
-        datasets=data.datasets,
-        dataset_config=data_config(cfg),
+        datasets=datasets,
+        dataset_config=DataConfig(execution_options=execution_options(cfg)),
         run_config=RunConfig(
             name=storage.name,
             storage_path=storage.path,
@@ -157,9 +219,15 @@ def fit(
     more Ray Train callbacks (a Tune trial's TuneReportCallback)."""
     here = on_this_node()  # they go with the driver, never with a node the cluster loses
     events, notice = Queue(actor_options={"num_cpus": 0, **here}), preemption.Notice.options(**here).remote()
+    group = worker_group_reason(cfg, tuned=bool(callbacks))
+    log.info(
+        "training %s", f"on Ray Train's worker group: {group}" if group else "in this process (Ray Train's local mode)"
+    )
     try:
-        trainer = build_trainer(cfg, data, storage, events, list(callbacks), initial=initial, notice=notice)
-        with relayed(events, handler):
+        trainer = build_trainer(
+            cfg, data, storage, events, list(callbacks), initial=initial, notice=notice, local=group is None
+        )
+        with relayed(events, handler), local_threads(cfg.scaling) if group is None else contextlib.nullcontext():
             try:
                 stop = partial(stop_with_notice, notice, cfg.train.stop_grace_s, handler)
                 return fit_off_main_thread(trainer, on_stop=stop if cfg.train.checkpoint_on_stop else None)
@@ -250,12 +318,16 @@ def explain(err: ray.train.TrainingFailedError) -> PipelineError:
     )
 
 
-def kept_checkpoints(result: ray.train.Result) -> set[str]:
+def kept_checkpoints(result: ray.train.Result, storage: RunStorage) -> set[str]:
     """The paths of every checkpoint Ray Train keeps on storage at the end of a run.
 
     Ray 2.60: with ``num_to_keep``, Ray Train keeps the best ``num_to_keep`` checkpoints and, always, the
     latest; ``Result.best_checkpoints`` lists only the former, so a latest checkpoint that is not among the
-    best is on storage but in no list but ``Result.checkpoint``."""
+    best is on storage but in no list but ``Result.checkpoint``. Local mode's Result has no path and lists none:
+    what the run's storage holds is what :mod:`pipeline.training.local_mode` kept."""
+    if result.path is None:
+        directory = f"{storage.path}/{storage.name}"
+        return {path for path, _ in checkpoint.reports(storage.filesystem, directory)}
     kept = {checkpoint.path for checkpoint, _ in result.best_checkpoints or []}
     if result.checkpoint is not None:
         kept.add(result.checkpoint.path)

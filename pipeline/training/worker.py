@@ -36,6 +36,7 @@ from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.training.ledger import Ledger
+from pipeline.training.local_mode import LocalReports
 from pipeline.training.replica import Replica
 from pipeline.training.reports import StepCheckpoints, report
 from pipeline.training.resume import EpochSteps, restore_point, steps_per_epoch
@@ -59,6 +60,7 @@ class WorkerJob:
     start: str | None  # FSDP: where every tensor the model starts from is, as DCP in the run's storage
     storage: RunStorage  # the run's checkpoints: a (re)started worker group continues from the newest whole one
     notice: Any = None  # the driver's preemption.Notice: a stop with notice, answered with a checkpoint
+    local: LocalReports | None = None  # Ray Train's local mode (this is the driver's process): reports persisted here
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -71,7 +73,7 @@ def train_loop_per_worker(config: dict) -> None:
     steps = steps_per_epoch(job.train_rows, world_size, cfg.ingest.batch_size, cfg.ingest.drop_last)
     if cfg.scaling.torch_threads:
         torch.set_num_threads(cfg.scaling.torch_threads)
-    device = ray.train.torch.get_device()
+    device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")  # local mode sees every GPU
     events.put(WorkerStarted(**where_this_runs(rank)))
     feed = Feed(job.reading, device)  # each split's batches, on this worker's device
 
@@ -106,51 +108,58 @@ def train_loop_per_worker(config: dict) -> None:
         stopper=stopper,
         cfg=cfg,
         rank=rank,
+        local=job.local,
     )
 
-    for epoch in range(start, epochs):
-        later = epoch != start
-        batches = feed.train(epoch=epoch, **shard) if later else first_batches
-        resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
-        ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
-        trained = train_epoch(
-            replica,
-            batches,
-            cfg,
-            epoch=epoch,
-            steps=EpochSteps.of(cfg, job.train_rows, world_size, resumed),
-            progress=progress,
-            ledger=ledger,
-            checkpoints=checkpoints,
-            resumed=resumed.figures if resumed else None,
-            phases=phases if epoch == start else None,
-        )
-        if trained is None:  # the command is stopping: the checkpoint is saved
-            return
-        telemetry, step = trained
-        metrics = telemetry.totals() | ledger.figures() | parallel.memory(replica.model, replica.optimizer)
-        valid = feed.valid(epoch=epoch, **shard)
-        scores = validate(replica, valid, checkpoints.notice_seen)
-        if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
-            checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
-            return
-        metrics |= scores
-        # every rank holds the same all-reduced metrics, so every rank decides alike
-        stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
-        metrics |= {
-            "epoch": epoch,
-            "rank": rank,
-            "weights_sha256": weights_digest(replica.module),
-            "checkpoint_stall_s": stalled,  # the previous epoch's: this one's is not over yet
-            **where_this_runs(rank),
-            **({"stopped_early": stopped} if stopped else {}),
-        }
-        before = time.perf_counter()
-        steps_logged = checkpoints.carried(epoch * steps + step)
-        report(metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload, steps=steps_logged)
-        stalled = time.perf_counter() - before
-        if stopped:
-            break
+    try:
+        for epoch in range(start, epochs):
+            later = epoch != start
+            batches = feed.train(epoch=epoch, **shard) if later else first_batches
+            resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
+            ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
+            trained = train_epoch(
+                replica,
+                batches,
+                cfg,
+                epoch=epoch,
+                steps=EpochSteps.of(cfg, job.train_rows, world_size, resumed),
+                progress=progress,
+                ledger=ledger,
+                checkpoints=checkpoints,
+                resumed=resumed.figures if resumed else None,
+                phases=phases if epoch == start else None,
+            )
+            if trained is None:  # the command is stopping: the checkpoint is saved
+                return
+            telemetry, step = trained
+            metrics = telemetry.totals() | ledger.figures() | parallel.memory(replica.model, replica.optimizer)
+            valid = feed.valid(epoch=epoch, **shard)
+            scores = validate(replica, valid, checkpoints.notice_seen)
+            if scores is None:  # the notice came during validation: the epoch's steps are saved, validated on resume
+                checkpoints.save(epoch=epoch, step=step, global_step=epoch * steps + step, within=(telemetry, ledger))
+                return
+            metrics |= scores
+            # every rank holds the same all-reduced metrics, so every rank decides alike
+            stopped = stopper.update(metrics[stopper.metric], epoch) if stopper is not None else None
+            metrics |= {
+                "epoch": epoch,
+                "rank": rank,
+                "weights_sha256": weights_digest(replica.module),
+                "checkpoint_stall_s": stalled,  # the previous epoch's: this one's is not over yet
+                **where_this_runs(rank),
+                **({"stopped_early": stopped} if stopped else {}),
+            }
+            before = time.perf_counter()
+            steps_logged = checkpoints.carried(epoch * steps + step)
+            report(
+                metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload, steps=steps_logged, local=job.local
+            )
+            stalled = time.perf_counter() - before
+            if stopped:
+                break
+
+    finally:
+        checkpoints.due.end()  # local mode: the driver ends its notice next, in this process
 
 
 def planned_updates(cfg: PipelineConfig, train_rows: int) -> int:
