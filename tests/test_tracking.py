@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -249,3 +251,73 @@ def test_a_stop_is_in_mlflow_before_the_spools_backlog(tmp_path):
     assert tracker.record.spool.flush(30)
     assert [m.step for m in client.get_metric_history(tracker.run_id, "train_loss")] == [0, 1, 2]
     assert client.get_run(tracker.run_id).info.status == "KILLED"
+
+
+def a_driver(uri: str, experiment: str, name: str) -> tuple[subprocess.Popen, str]:
+    """A process that creates a run as a driver does (tagged with itself), then waits: killed, it ends nothing."""
+    code = (
+        "import sys, time; from mlflow import MlflowClient; from pipeline.tracking import mlflow_store as m; "
+        "c = MlflowClient(sys.argv[1]); "
+        "print(c.create_run(sys.argv[2], run_name=sys.argv[3], tags={m.DRIVER_TAG: m.this_driver(), "
+        "m.STORAGE_TAG: '/ckpt', m.OVERRIDES_TAG: '+experiment=smoke'}).info.run_id, flush=True); time.sleep(600)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code, uri, experiment, name], stdout=subprocess.PIPE, text=True)
+    return process, process.stdout.readline().strip()
+
+
+def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_ones_is_not(tmp_path, caplog):
+    """A driver SIGKILLed leaves its run RUNNING; the next command on the store (any experiment) ends it KILLED,
+    says why and how to continue it. A live driver's run, another machine's, one whose pid now names another
+    process, and one no driver of ours holds: the first, second and last stay RUNNING, and the live one cannot be
+    resumed from here."""
+    from pipeline.common.errors import PipelineError
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    first, second = (client.create_experiment(n, artifact_location=(tmp_path / n).as_uri()) for n in ("a", "b"))
+    killed, killed_id = a_driver(uri, first, "killed")
+    live, live_id = a_driver(uri, second, "live")
+    try:
+        killed.kill()
+        killed.wait(timeout=30)
+        machine, pid, started = mlflow_store.this_driver().rsplit(":", 2)
+        others = {
+            "elsewhere": f"other-host#1:{killed.pid}:{started}",  # the same pid, another machine: not ours to judge
+            "reused": f"{machine}:{pid}:{float(started) - 100:.2f}",  # this pid, but a process started before it
+            "untagged": None,
+        }
+        ids = {
+            name: client.create_run(
+                first, run_name=name, tags={mlflow_store.DRIVER_TAG: tag} if tag else {}
+            ).info.run_id
+            for name, tag in others.items()
+        }
+        assert client.get_run(killed_id).info.status == "RUNNING"
+
+        with caplog.at_level("WARNING", logger="pipeline.tracking.mlflow_store"):
+            ended = mlflow_store.end_orphans(client)
+
+        assert sorted(ended) == sorted([killed_id, ids["reused"]])
+        gone = client.get_run(killed_id)
+        assert gone.info.status == "KILLED"
+        assert f"its driver (pid {killed.pid} on " in gone.data.tags[mlflow_store.ERROR_TAG]
+        assert (
+            f"MLflow run 'killed' ({killed_id}) was left RUNNING" in caplog.text
+            and "Continue it with: python -m pipeline +experiment=smoke train.resume=true tracking.run_name=killed"
+            in caplog.text
+        )
+        assert live.poll() is None and client.get_run(live_id).info.status == "RUNNING"
+        assert {name: client.get_run(ids[name]).info.status for name in ("elsewhere", "untagged")} == {
+            "elsewhere": "RUNNING",
+            "untagged": "RUNNING",
+        }
+        assert mlflow_store.end_orphans(client) == []  # once
+        store = mlflow_store.Store(client, uri, "b", second)
+        with pytest.raises(
+            PipelineError, match=rf"run 'live' \({live_id}\) is still running: its driver, pid {live.pid}"
+        ):
+            mlflow_store.reopen_run(store, "live")  # two drivers would write one run
+    finally:
+        for process in (killed, live):
+            process.kill()
+            process.wait(timeout=30)

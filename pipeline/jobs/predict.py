@@ -311,7 +311,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
         store = mlflow_store.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
     name = cfg.tracking.run_name or f"{cfg.stage}: {model_run.info.run_name if model_run else predict.checkpoint}"
     parent = model_run.info.run_id if model_run else None
-    tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output}
+    tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output, mlflow_store.DRIVER_TAG: mlflow_store.this_driver()}
     run_id = tracker.Tracker.start(store, cfg, job, name, parent, tags).run_id
     lineage.log_data(client, run_id, {"prediction": split}, None)
     model_id = scored_model(client, model_run, predict) if model_run else None

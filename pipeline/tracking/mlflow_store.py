@@ -7,13 +7,16 @@ between the jobs of a sweep or into worker processes. What a run holds is :mod:`
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import requests
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
@@ -31,6 +34,9 @@ SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
+DRIVER_TAG = "pipeline.driver"  # machine:pid:start time of the process that holds the run RUNNING and ends it
+
+log = logging.getLogger(__name__)
 
 
 def resolve_uri(uri: str | None, outputs: str) -> str:
@@ -178,9 +184,12 @@ def start_run(
     return store.client.create_run(store.experiment_id, run_name=run_name, tags=tags).info.run_id
 
 
-def reopen(client: MlflowClient, run) -> str:
-    """``run`` RUNNING again, without the error that ended it (it is in the past now); its id."""
+def reopen(client: MlflowClient, run, driver: bool = False) -> str:
+    """``run`` RUNNING again, without the error that ended it (it is in the past now); its id. ``driver``:
+    held by this process from now on (:data:`DRIVER_TAG`)."""
     client.update_run(run.info.run_id, status="RUNNING")
+    if driver:
+        client.set_tag(run.info.run_id, DRIVER_TAG, this_driver())
     if ERROR_TAG in run.data.tags:
         client.delete_tag(run.info.run_id, ERROR_TAG)
     return run.info.run_id
@@ -199,12 +208,19 @@ def reopen_run(store: Store, run_name: str) -> tuple[str, str]:
         raise PipelineError(
             f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; start a new run instead."
         )
+    driver = local_driver(run.data.tags)
+    if run.info.status == "RUNNING" and driver is not None and not driver.gone:
+        raise PipelineError(
+            f"train.resume=true: run {run_name!r} ({run.info.run_id}) is still running: its driver, pid {driver.pid}, "
+            f"is alive. Stop it first (Ctrl-C there, or kill {driver.pid}: it checkpoints and ends the run KILLED), "
+            "then resume."
+        )
     if STORAGE_TAG not in run.data.tags:
         raise PipelineError(
             f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
             "so it has no checkpoint to resume from."
         )
-    return reopen(store.client, run), run.data.tags[STORAGE_TAG]
+    return reopen(store.client, run, driver=True), run.data.tags[STORAGE_TAG]
 
 
 @contextmanager
@@ -236,3 +252,72 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
     if error is not None:
         client.set_tag(run_id, ERROR_TAG, error[:MAX_TAG_LENGTH])
     client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))
+
+
+def this_machine() -> str:
+    """Where a pid means one process: the host's name and the pid namespace (containers on one host, even with
+    its network and name, each have their own)."""
+    return f"{socket.gethostname()}#{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def this_driver() -> str:
+    """This process, as :data:`DRIVER_TAG` names it: its machine, pid and start time (a reused pid is another
+    process)."""
+    return f"{this_machine()}:{os.getpid()}:{psutil.Process().create_time():.2f}"
+
+
+@dataclass(frozen=True)
+class Driver:
+    """The process a run's :data:`DRIVER_TAG` names, on this machine."""
+
+    pid: int
+    gone: bool  # ended (a process that cannot be read counts as alive: a live run is never touched)
+
+
+def local_driver(tags: dict[str, str]) -> Driver | None:
+    """The driver a run's tags name, when it ran on this machine (None: no tag, or another machine's)."""
+    if DRIVER_TAG not in tags:
+        return None
+    where, pid, started = tags[DRIVER_TAG].rsplit(":", 2)
+    if where != this_machine():
+        return None
+    try:
+        gone = f"{psutil.Process(int(pid)).create_time():.2f}" != started  # a reused pid: another process
+    except psutil.NoSuchProcess:
+        gone = True
+    except psutil.Error:
+        gone = False
+    return Driver(int(pid), gone)
+
+
+def end_orphans(client: MlflowClient) -> list[str]:
+    """Runs left RUNNING by a driver of this host that is gone (SIGKILL, the OOM killer, a crash: nothing ran
+    to end them), in any experiment of the store, ended KILLED with the reason and how to continue; their ids.
+    A command calls it as it opens the store; a run whose driver lives is never touched."""
+    machine = this_machine()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    if not experiments:
+        return []
+    running = client.search_runs(
+        experiments, filter_string=f"attributes.status = 'RUNNING' and tags.`{DRIVER_TAG}` LIKE '{machine}:%'"
+    )
+    ended = []
+    for run in running:
+        driver = local_driver(run.data.tags)
+        if driver is None or not driver.gone:
+            continue
+        why = f"its driver (pid {driver.pid} on {socket.gethostname()}) ended without ending it (killed, or crashed)"
+        end_run(client, run.info.run_id, "KILLED", f"driver gone: {why}; ended by a later command (pid {os.getpid()})")
+        continued = ""
+        if STORAGE_TAG in run.data.tags:  # it reached training: its checkpoints stay
+            command = f"python -m pipeline {run.data.tags.get(OVERRIDES_TAG, '')}".rstrip()
+            continued = f" Continue it with: {command} train.resume=true tracking.run_name={run.info.run_name}"
+        log.warning(
+            "MLflow run %r (%s) was left RUNNING: %s. Ended KILLED.%s",
+            run.info.run_name,
+            run.info.run_id,
+            why,
+            continued,
+        )
+        ended.append(run.info.run_id)
+    return ended

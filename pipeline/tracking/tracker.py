@@ -15,7 +15,17 @@ from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking.delivery import Delivery, metrics_record
 from pipeline.tracking.epochs import EpochLog
 from pipeline.tracking.lineage import dataset_name, log_data
-from pipeline.tracking.mlflow_store import STORAGE_TAG, Store, end_status, reopen, reopen_run, start_run
+from pipeline.tracking.mlflow_store import (
+    DRIVER_TAG,
+    STORAGE_TAG,
+    Store,
+    end_orphans,
+    end_status,
+    reopen,
+    reopen_run,
+    start_run,
+    this_driver,
+)
 from pipeline.tracking.models import BEST_MODEL_TAG
 from pipeline.tracking.record import RunRecord
 from pipeline.tracking.run_config import log_config
@@ -49,13 +59,15 @@ class Tracker:
     @classmethod
     def open(cls, cfg: PipelineConfig, job) -> Tracker:
         """A training job's run (``job``: a :class:`pipeline.jobs.job.Job`): the one ``train.resume``
-        continues, or a new one (in a sweep, nested under the sweep's parent run)."""
+        continues, or a new one (in a sweep, nested under the sweep's parent run). Runs a driver of this host left
+        RUNNING when it died are ended first (:func:`end_orphans`): the one resumed among them, too."""
         store = Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
+        end_orphans(store.client)
         if cfg.train.resume:
             run_id, resume_from = reopen_run(store, cfg.tracking.run_name)
             return cls(store, run_id, resume_from, cfg)
         parent = store.sweep_parent(job.sweep_dir) if job.sweep_dir else None
-        return cls.start(store, cfg, job, cfg.tracking.run_name or job.run_name, parent)
+        return cls.start(store, cfg, job, cfg.tracking.run_name or job.run_name, parent, {DRIVER_TAG: this_driver()})
 
     @classmethod
     def start(
