@@ -25,7 +25,7 @@ GRID = [
     "train.epochs=1,0",
     "ingest.batch_size=64",
     "source.limit=256",
-    "scaling.num_workers=1",  # DDP over two workers: the other tests' runs
+    "scaling.num_workers=1",
     "tracking.register_as=smoke_vit",  # each job's model a version; champion: the best job's
     "hydra.sweep.dir=sweep",
 ]
