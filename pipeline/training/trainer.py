@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -233,6 +234,10 @@ def fit(
                 return fit_off_main_thread(trainer, on_stop=stop if cfg.train.checkpoint_on_stop else None)
             except ray.train.TrainingFailedError as err:
                 raise explain(err) from err
+            except Exception as err:  # local mode: the training function's own error, raised in this process
+                if group is not None or isinstance(err, PipelineError):
+                    raise
+                raise failed_here(err) from err
     finally:
         ray.kill(events.actor)
         ray.kill(notice)
@@ -315,6 +320,15 @@ def explain(err: ray.train.TrainingFailedError) -> PipelineError:
     return PipelineError(
         f"training failed {where}: {'; '.join(causes)} "
         "(full tracebacks: Ray's session logs, /tmp/ray/session_latest/logs on the head node)."
+    )
+
+
+def failed_here(err: Exception) -> PipelineError:
+    """The training function's error in local mode, as :func:`explain` words a worker's: its cause, and where."""
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return PipelineError(
+        f"training failed in this process (Ray Train's local mode): {root_cause(err)} "
+        f"(raised at {frame.filename}:{frame.lineno}, in {frame.name})."
     )
 
 
