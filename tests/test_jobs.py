@@ -63,7 +63,7 @@ def project(tmp_path_factory) -> Path:
         ignore=shutil.ignore_patterns(".venv", ".git", "outputs", "__pycache__", "*_cache", "*.egg-info"),
     )
     smoke = (copy / "conf/experiment/smoke.yaml").read_text()
-    submitted = smoke.replace("limit: 2000", "limit: 512") + "scaling:\n  num_workers: 1\n"
+    submitted = smoke.replace("limit: 2000", "limit: 512")  # one worker, as smoke: in the job's driver process
     (copy / "conf/experiment/submitted.yaml").write_text(submitted + "tracking:\n  register_as: submitted\n")
     return copy
 

@@ -37,7 +37,7 @@ from pipeline.training.replica import Replica
 from pipeline.training.worker import weights_digest
 
 TINY = ["model.num_layers=2", "model.hidden_dim=32", "model.mlp_dim=64"]
-VIT = ["+experiment=smoke", *TINY]
+VIT = ["+experiment=smoke", "scaling.num_workers=2", *TINY]
 MLP = ["+experiment=wine_mlp", "scaling.num_workers=2"]
 CPU = torch.device("cpu")
 
@@ -355,7 +355,7 @@ def test_a_compiled_fsdp_vit_logs_a_model_mlflow_loads_alone_and_a_fine_tune_sta
     store = f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # the runs' store, and where MLflow loads the model from
     levers = ["scaling.strategy=fsdp", "train.compile=true", "train.activation_checkpointing=true"]
-    metrics, _ = in_process(tmp_path, "fsdp", [*TINY, *levers, "train.epochs=2", "tracking.run_name=fsdp"])
+    metrics, _ = in_process(tmp_path, "fsdp", [*VIT[1:], *levers, "train.epochs=2", "tracking.run_name=fsdp"])
     client, run_info = the_run(tmp_path, name="fsdp")
     assert run_info.info.status == "FINISHED" and metrics["val_accuracy"] > 0.2  # 10 classes: chance is 0.1
     cfg = compose_cfg(VIT)
@@ -430,7 +430,8 @@ def test_an_fsdp_run_interrupted_on_two_workers_resumes_on_one(tmp_path, data_ro
         worker.wait(timeout=10)  # gone: not the process of another run
         killed.append(worker.pid)
 
-    run = [*wide, "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16", "tracking.run_name=sharded"]
+    run = [*wide, "scaling.num_workers=2", "scaling.strategy=fsdp", "train.epochs=3", "ingest.batch_size=16"]
+    run.append("tracking.run_name=sharded")
     run.append("train.ema=0.99")  # the averages: sharded as the weights, resharded on resume, the logged model
     killer = threading.Thread(target=kill_a_worker, daemon=True)
     killer.start()

@@ -167,10 +167,11 @@ def wait_for_validation(tmp_path: Path, pid: int, timeout_s: float = 180.0) -> N
 @pytest.mark.slow  # runs the command, which starts Ray
 @pytest.mark.parametrize("killed", ["driver", "raylet"])
 def test_a_run_whose_driver_is_killed_mid_epoch_is_ended_killed_by_the_next_command(tmp_path, ledger_data, killed):
-    """The driver SIGKILLed mid-epoch (the OOM killer's choice), or its raylet, which Ray 2.60 answers by ending the
-    driver at once (a one-worker run trains in the driver's process, which reads Ray's object store): nothing ran to
-    end its run, RUNNING. The next command on the same store ends it KILLED as it starts, with the reason, and says
-    how to continue it."""
+    """The driver SIGKILLed mid-epoch (the OOM killer's choice): nothing ran to end its run, RUNNING. The next command
+    on the same store ends it KILLED as it starts, with the reason, and says how to continue it. Or its raylet: Ray
+    2.60 ends the driver at once when it next reads the object store (a one-worker run trains in the driver's
+    process), and the run is left RUNNING as well, unless the lifeline saw the raylet gone first and recorded it
+    FAILED (a race: both happen); either way no run stays RUNNING past the next command."""
     common = ["scaling.num_workers=1", "train.epochs=1", "model.delay_s=0.1"]
     process = start(tmp_path, ledger_data, *common, "tracking.run_name=orphan")
     assert workers(tmp_path)[0]["pid"] == process.pid  # Ray Train's local mode: the command is the worker
@@ -181,17 +182,23 @@ def test_a_run_whose_driver_is_killed_mid_epoch_is_ended_killed_by_the_next_comm
         (raylet,) = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "raylet"]
         raylet.kill()
     assert process.wait(timeout=60) != 0
-    process.communicate(timeout=60)
+    output = process.communicate(timeout=60)[0]
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (orphan,) = client.search_runs([client.get_experiment_by_name("default").experiment_id])
-    assert orphan.info.status == "RUNNING"
+    if orphan.info.status == "FAILED":  # the raylet's: the lifeline saw it gone before a read of the store ended us
+        assert killed == "raylet" and "Ray was lost under the run: this machine's raylet" in output, output[-2000:]
+    else:
+        assert orphan.info.status == "RUNNING"
 
     output = finish(start(tmp_path, ledger_data, *common, "tracking.run_name=next"))
-    said = f"MLflow run 'orphan' ({orphan.info.run_id}) was left RUNNING: its driver (pid {process.pid} on "
-    assert said in output and "Ended KILLED. Continue it with: python -m pipeline " in output
-    assert output.index(said) < output.index("start-up:")  # as the command starts, before training
     ended = client.get_run(orphan.info.run_id)
-    assert ended.info.status == "KILLED" and f"pid {process.pid}" in ended.data.tags["pipeline.error"]
+    if orphan.info.status == "RUNNING":
+        said = f"MLflow run 'orphan' ({orphan.info.run_id}) was left RUNNING: its driver (pid {process.pid} on "
+        assert said in output and "Ended KILLED. Continue it with: python -m pipeline " in output
+        assert output.index(said) < output.index("start-up:")  # as the command starts, before training
+        assert ended.info.status == "KILLED" and f"pid {process.pid}" in ended.data.tags["pipeline.error"]
+    else:
+        assert ended.info.status == "FAILED" and "was left RUNNING" not in output
     (following,) = client.search_runs([ended.info.experiment_id], filter_string="attributes.run_name = 'next'")
     assert following.info.status == "FINISHED"
 

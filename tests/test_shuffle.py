@@ -122,6 +122,7 @@ def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_warns_before_t
     before the first epoch, the run records the bound (pipeline.shuffle) and measures a label_mix near 1/10."""
     root = stored(tmp_path, "sorted").parent
     args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.read_task_mib=1e-6"]
+    args.append("scaling.num_workers=2")  # batches of 64 a worker: two read tasks' rows, each of one class
     result = run_cli([*args, f"source.root={root / 'sorted'}", "source.download=null"], tmp_path, root)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
