@@ -86,18 +86,19 @@ def startup_line(report: dict) -> str:
     """The start-up against the plain loop and Ray's floors, as a sentence (an older record: the floor only)."""
     figures = report["figures"]
     ours, floor = spread(figures["pipeline_startup_s"], 1), spread(figures["floor_startup_s"], 1)
-    line = (
-        f"From the command to the first training step, `+experiment=smoke` takes {span(ours, ' s', 1)}, Ray Train + "
-        f"Ray Data alone in a job of the same shape (`bench/floor.py`) {span(floor, ' s', 1)}"
-    )
+    line = f"From the command to the first training step, `+experiment=smoke` takes {span(ours, ' s', 1)}"
+    if "pipeline_two_workers_startup_s" in figures:  # one worker in the driver's process, and the experiment's two
+        two = spread(figures["pipeline_two_workers_startup_s"], 1)
+        line += f" on one worker (in the driver's process, Ray Train's local mode) and {span(two, ' s', 1)} on two"
+    line += f", Ray Train + Ray Data alone in a worker group of two (`bench/floor.py`) {span(floor, ' s', 1)}"
     if "plain_startup_s" not in figures:
         ratio = spread([p / f for p, f in zip(figures["pipeline_startup_s"], figures["floor_startup_s"])])
         return f"{line}: {span(ratio, 'x')} as long ({ours['runs']} interleaved pairs)."
     plain, local = spread(figures["plain_startup_s"], 1), spread(figures["local_mode_floor_startup_s"], 1)
     after = spread(figures["after_plain_s"], 1)
     return (
-        f"{line}, in Ray Train's local mode (no worker group) {span(local, ' s', 1)}; the plain loop on the same rows "
-        f"and model {span(plain, ' s', 1)}: the pipeline's first step came {span(after, ' s', 1)} after the loop's "
+        f"{line}, in Ray Train's local mode {span(local, ' s', 1)}; the plain loop on the same rows and model "
+        f"{span(plain, ' s', 1)}: the pipeline's first step on one worker came {span(after, ' s', 1)} after the loop's "
         f"({ours['runs']} interleaved rounds). Its phases, mean s from the command: "
         + ", ".join(f"{phase.replace('_', ' ')} {s}" for phase, s in figures["phases_mean"].items())
         + "."
