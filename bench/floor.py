@@ -59,4 +59,8 @@ if __name__ == "__main__":
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--datasets", type=int, default=1, choices=[1, 2, 3])
     arguments = parser.parse_args()
-    print(json.dumps({"startup_s": floor(arguments.workers, arguments.cpus_per_worker, arguments.datasets)}))
+    seconds = floor(arguments.workers, arguments.cpus_per_worker, arguments.datasets)
+    print(json.dumps({"startup_s": seconds}), flush=True)
+    # Local mode ran the training function here: Ray Data's prefetch thread of its abandoned iterator outlived
+    # ray.shutdown() at exit and Ray's core ended the process non-zero ("The core worker has already been shutdown")
+    os._exit(0)
