@@ -28,8 +28,8 @@ from pathlib import Path
 from mlflow import MlflowClient
 from report import data_dir, pipeline_run, plain_run, ray_floor, table, write
 
-EXPERIMENT = ["+experiment=smoke"]
-ONE_WORKER = [*EXPERIMENT, "scaling.num_workers=1"]
+ONE_WORKER = ["+experiment=smoke"]  # smoke trains on one worker
+EXPERIMENT = [*ONE_WORKER, "scaling.num_workers=2"]  # the worker group Ray's floor is taken for
 COLUMNS = {  # the table's column: the record's key
     "pipeline, one worker": "pipeline_startup_s",
     "pipeline, two workers": "pipeline_two_workers_startup_s",
