@@ -265,7 +265,9 @@ def a_driver(uri: str, experiment: str, name: str) -> tuple[subprocess.Popen, st
     return process, process.stdout.readline().strip()
 
 
-def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_ones_is_not(tmp_path, caplog):
+def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_ones_is_not(
+    tmp_path, caplog, monkeypatch
+):
     """A driver SIGKILLed leaves its run RUNNING; the next command on the store (any experiment) ends it KILLED,
     says why and how to continue it. A live driver's run, another machine's, one whose pid now names another
     process, and one no driver of ours holds: the first, second and last stay RUNNING, and the live one cannot be
@@ -294,8 +296,8 @@ def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_o
         }
         assert client.get_run(killed_id).info.status == "RUNNING"
 
-        with caplog.at_level("WARNING", logger="pipeline.tracking.mlflow_store"):
-            ended = mlflow_store.end_orphans(client)
+        capture_warnings(caplog, monkeypatch, "pipeline.tracking.mlflow_store")  # whatever tests before left of logging
+        ended = mlflow_store.end_orphans(client)
 
         assert sorted(ended) == sorted([killed_id, ids["reused"]])
         gone = client.get_run(killed_id)
