@@ -223,8 +223,10 @@ def test_a_run_stopped_twice_resumes_at_its_steps_each_row_once_and_ends_where_a
 
     # a SIGTERM with no SIGKILL behind it (a spot notice's minutes, not ray job stop's 3 s): its checkpoint waited for
     # validation's 5 batches take 5 s, so that the notice lands in them on a loaded machine (0.3 s a batch missed once
-    # in the full suite: the driver's notice came after validation's 1.5 s)
-    stopped = ["+model.valid_delay_s=1.0", "tracking.run_name=stopped", "train.stop_grace_s=60", *deterministic]
+    # in the full suite: the driver's notice came after validation's 1.5 s); a training step 0.1 s, so that the second
+    # notice, sent halfway through epoch 2, lands in it (0.03 s, the rest of it 0.75 s, missed once in CI)
+    stopped = ["+model.valid_delay_s=1.0", "model.delay_s=0.1", "tracking.run_name=stopped", "train.stop_grace_s=60"]
+    stopped += deterministic
     first = start(tmp_path, ledger_data, *stopped)
     assert workers(tmp_path)[0]["pid"] == first.pid  # one worker: Ray Train's local mode, in the command's process
     wait_for_validation(tmp_path, first.pid)
