@@ -387,7 +387,7 @@ def test_a_checkpoint_within_an_epoch_stands_after_the_epoch_before_and_before_i
     ]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "checkpoint.pt").write_bytes(b"x")
-        checkpoint.write_report(str(tmp_path / name), report, {"checkpoint.pt": 1}, [])
+        checkpoint.write_report(str(tmp_path / name), report, {"checkpoint.pt": 1})
     assert [Path(path).name for path, _ in checkpoint.reports(pafs.LocalFileSystem(), str(tmp_path))] == ["a", "c", "b"]
     assert Path(checkpoint.newest(pafs.LocalFileSystem(), str(tmp_path))).name == "b"
     assert checkpoint.place({"epoch": 1}) > checkpoint.place({"epoch": 1, "epoch_step": 10**9})
@@ -410,24 +410,6 @@ def test_an_epoch_resumed_from_a_checkpoint_within_it_reports_the_whole_epochs_f
     rest = run(resumed, enumerate(batches[3:], 4)).totals()
     for key in ("train_loss", "train_rows", "label_mix"):
         assert rest[key] == pytest.approx(whole[key]), key
-
-
-def test_each_checkpoint_keeps_the_logged_steps_of_the_last_minutes_and_since_the_checkpoint_before_the_last():
-    """A driver killed with its machine leaves Ray's workers training for seconds, each checkpoint they take has Ray
-    delete an older report: the newest report must still hold every step logged since the driver stopped logging."""
-    from pipeline.training.reports import CARRY_S, StepCheckpoints
-
-    def reports(age_s: float) -> list[list[int]]:
-        checkpoints, at = StepCheckpoints(due=None, replica=None, stopper=None, cfg=None, rank=0), time.time() - age_s
-        carried = []
-        for global_step in range(5, 45, 5):
-            checkpoints.logged.append((global_step, 0.5, at))
-            if global_step % 10 == 0:
-                carried.append([step for step, _, _ in checkpoints.carried(global_step)])
-        return carried
-
-    assert reports(age_s=1.0)[-1] == list(range(5, 45, 5))  # four checkpoints since step 5: it is still there
-    assert reports(age_s=CARRY_S + 60) == [[5, 10], [5, 10, 15, 20], [10, 15, 20, 25, 30], [20, 25, 30, 35, 40]]
 
 
 @pytest.mark.slow

@@ -171,7 +171,7 @@ def test_ray_keeps_the_best_checkpoint_and_the_latest_lists_the_best_alone_and_i
     for epoch, score in enumerate((0.9, 0.5, 0.1)):
         directory = tmp_path / f"written-{epoch}"
         directory.mkdir()
-        checkpoint.write_report(str(directory), {"epoch": epoch, "score": score}, {}, [])
+        checkpoint.write_report(str(directory), {"epoch": epoch, "score": score}, {})
         reports.persist(str(directory), {"epoch": epoch, "score": score})
         assert not directory.exists()  # the local copy goes, as Ray Train's does
     kept = checkpoint.reports(pafs.LocalFileSystem(), str(tmp_path / "ours"))

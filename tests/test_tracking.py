@@ -23,7 +23,7 @@ def write_checkpoint(state: dict, directory, metrics: dict) -> None:
     from pipeline.training import checkpoint
 
     checkpoint.write_state(state, str(directory))
-    checkpoint.write_report(str(directory), metrics, checkpoint.files(str(directory)), [])
+    checkpoint.write_report(str(directory), metrics, checkpoint.files(str(directory)))
 
 
 def test_secrets_in_uris_and_runtime_env_never_reach_mlflow(tmp_path):
@@ -91,13 +91,16 @@ def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
     assert mlflow_store.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
 
 
-def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tmp_path):
-    """A signal between a checkpoint's upload and its report reaching the driver: the run's end logs that
-    epoch from the report kept beside the checkpoint; training restored from the checkpoint before it runs
-    the epoch again, and its first record stands (each epoch once)."""
+def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_once_their_checkpoints_are_gone(
+    tmp_path,
+):
+    """The driver gone before reports reached it, and Ray Train deleting the checkpoints they came with
+    (train.num_to_keep=1): the run's end logs those epochs and step losses from the workers' records; training
+    restored from an older checkpoint runs the epoch again, and its first record stands (each epoch once)."""
     import torch
 
     from pipeline.runtime import filesystems
+    from pipeline.training import records
 
     cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -108,23 +111,31 @@ def test_an_epoch_saved_but_never_reported_is_logged_from_its_checkpoint_once(tm
     tracker.set_storage(storage)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
     figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0, "workers": 2}
-    for epoch in (0, 1, 2):  # all saved; only epoch 0's report reached the driver; epoch 2's loss is NaN
-        saved = tmp_path / "checkpoints" / tracker.run_id / f"checkpoint_2026-11-26_00-00-0{epoch}"
-        saved.mkdir(parents=True)
+    for epoch in (0, 1, 2):  # all recorded; only epoch 0's report reached the driver; epoch 2's loss is NaN
         nan = {"val_loss": float("nan")} if epoch == 2 else {}
-        write_checkpoint({"epoch": epoch}, saved, {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan})
+        metrics = {**figures, "epoch": epoch, "val_accuracy": 0.2 + epoch, **nan}
+        steps = [(10 * epoch + 5, 1.0 + epoch, 1e9 + epoch), (10 * epoch + 10, 0.5 + epoch, 1e9 + epoch)]
+        records.write(storage, {"epoch": epoch, "epoch_step": 5, "global_step": 10 * epoch + 5}, steps[:1])
+        records.write(storage, metrics, steps[1:])
+    saved = tmp_path / "checkpoints" / tracker.run_id / "checkpoint_2026-11-26_00-00-02"  # Ray kept the last only
+    saved.mkdir(parents=True)
+    write_checkpoint({"epoch": 2}, saved, {**figures, "epoch": 2, "val_loss": float("nan")})
     tracker.epochs.log_epoch({**figures, "epoch": 0})
+    tracker.epochs.log_step_loss(1.0, 5, 1e9)
     with pytest.raises(SystemExit), tracker:  # ends the run: KILLED here, as on SIGTERM
         raise SystemExit(143)
     assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "val_accuracy")] == [
         (0, 0.2),
         (1, 1.2),
     ]
+    losses = client.get_metric_history(tracker.run_id, "train_loss_step")
+    expected = [(5, 1.0), (10, 0.5), (15, 2.0), (20, 1.5), (25, 3.0), (30, 2.5)]
+    assert sorted((m.step, m.value) for m in losses) == expected
     assert client.get_run(tracker.run_id).info.status == "KILLED"
 
     resumed = Tracker(store, tracker.run_id, storage.uri, cfg)
     resumed.set_storage(storage)
-    resumed.epochs.reconcile(storage)  # nothing new: every saved epoch is logged
+    assert resumed.epochs.reconcile(storage) == []  # nothing new: every recorded epoch is logged
     resumed.epochs.log_restore(1, 0)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
     resumed.epochs.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
     resumed.epochs.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})

@@ -1,6 +1,6 @@
-"""Each epoch of a training run in MLflow exactly once: from the workers' reports, from checkpoints whose
-report never reached the driver (:meth:`EpochLog.reconcile`), and across restores, where training runs
-an epoch again that MLflow already holds."""
+"""Each epoch of a training run in MLflow exactly once: from the workers' reports, from the workers' records of
+those that never reached the driver (:meth:`EpochLog.reconcile`), and across restores, where training runs an
+epoch again that MLflow already holds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pipeline.config import TrackingConfig
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking.delivery import metrics_record
 from pipeline.tracking.record import RunRecord
-from pipeline.training import checkpoint
+from pipeline.training import checkpoint, records
 from pipeline.training.events import STEP_KEY
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class EpochLog:
         self.dataset_of: dict[str, tuple[str, str]] = {}  # metric -> the dataset (name, digest) it was measured on
         self._startup_logged = False
         self.step_checkpoints: set[int] = set()  # global steps of the checkpoints within epochs logged
-        self.steps_logged: set[int] = set()  # global steps whose train_loss_step this driver logged
+        # global steps whose train_loss_step the run holds (a resumed run: those its earlier attempts logged)
+        self.steps_logged = {m.step for m in record.client.get_metric_history(record.run_id, STEP_LOSS_METRIC)}
 
     def expect_rows(self, rows: dict[str, int], drop_last: bool) -> None:
         """The rows each split holds: an epoch that delivers fewer logs ``skipped_rows``."""
@@ -107,23 +108,27 @@ class EpochLog:
             )
         self.last = metrics
 
-    def reconcile(self, storage: RunStorage | None) -> list[tuple[str, dict]]:
-        """Log each epoch whose checkpoint Ray Train persisted but whose report never reached the driver (a
-        signal or a crash between the two, a worker group torn down before Ray took its report): every
-        checkpoint's epoch is in MLflow, once, resumed or not. The checkpoints and reports it logged."""
+    def reconcile(self, storage: RunStorage | None) -> list[tuple[str | None, dict]]:
+        """Log each epoch and logged step whose report never reached the driver (a signal or a crash between the
+        two, a worker group torn down before Ray took its report, the workers training on after the driver died),
+        from the workers' records in storage (:mod:`pipeline.training.records`), whatever checkpoints Ray Train has
+        deleted since: every reported epoch is in MLflow, once, resumed or not. The epochs it logged, each with its
+        checkpoint's path where storage still holds it."""
         if storage is None:
             return []
+        run = f"{storage.path}/{storage.name}"
+        saved = {checkpoint.place(report): path for path, report in checkpoint.reports(storage.filesystem, run)}
         logged = []
-        for path, metrics in checkpoint.reports(storage.filesystem, f"{storage.path}/{storage.name}"):
-            for global_step, loss, at in metrics.pop(checkpoint.STEPS_KEY, []):
+        for metrics in records.read(storage):
+            for global_step, loss, at in metrics.pop(records.STEPS_KEY):
                 if global_step not in self.steps_logged:  # lost on their way: in the queue when the workers died
                     self.log_step_loss(loss, global_step, at)
             finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))  # NaN failed the run
             within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
             if metrics["epoch"] not in self.logged and finite and not within:
-                log.warning(
-                    "epoch %d: logged from its checkpoint's report; it never reached the driver", metrics["epoch"] + 1
-                )
+                epoch = metrics["epoch"] + 1
+                log.warning("epoch %d: logged from the workers' record; it never reached the driver", epoch)
+                path = saved.get(checkpoint.place(metrics))
                 self.log_epoch(metrics, path)
                 logged.append((path, metrics))
         return logged

@@ -39,7 +39,6 @@ SHARDED_DIRS = ("model", "optimizer")  # those directories, beside checkpoint.pt
 EMA_KEY = "ema"  # train.ema's averages: a state dict in checkpoint.pt, or a sharded run's DCP directory beside it
 EMA_MODEL_KEY = "ema_model"  # in checkpoint.pt: whether the averages are the run's model (train.ema_model)
 EMA_UPDATES_KEY = "ema_updates"  # in checkpoint.pt: the steps the averages took (their warm-up's count)
-STEPS_KEY = "logged_steps"  # in the report: rank 0's step losses since the checkpoint before: [global step, loss, time]
 POSITION_FILE = "position.pt"  # beside it: the epoch's rows trained on (packed bits) and its figures so far
 
 
@@ -58,13 +57,12 @@ def files(directory: str) -> dict[str, int]:
     return found
 
 
-def write_report(directory: str, metrics: dict, written: dict[str, int], steps: list[tuple]) -> None:
-    """The epoch's ``metrics`` beside its checkpoint, with every file ``written`` to it (by any rank) and the epoch's
-    logged ``steps``: the record of an epoch whose report never reached the driver (a signal or a crash between the
-    two) survives with its checkpoint, so do the step losses still on their way when the workers died, and a
-    checkpoint whose copy was cut short is known by a file's size."""
+def write_report(directory: str, metrics: dict, written: dict[str, int]) -> None:
+    """The epoch's ``metrics`` beside its checkpoint, with every file ``written`` to it (by any rank): a resume
+    finds where the checkpoint stands in the run, and knows one whose copy was cut short by a file's size. (What
+    MLflow must hold of the report is kept apart from the checkpoint too: :mod:`pipeline.training.records`.)"""
     with open(os.path.join(directory, REPORT_FILE), "w") as out:
-        json.dump({**metrics, FILES_KEY: written, STEPS_KEY: steps}, out)
+        json.dump({**metrics, FILES_KEY: written}, out)
 
 
 def read_report(filesystem: pafs.FileSystem, path: str) -> dict:

@@ -1,13 +1,13 @@
 """What a training worker reports to Ray Train, with a checkpoint: each epoch's metrics (:func:`report`), and the
 checkpoints within an epoch (:class:`StepCheckpoints`: ``train.checkpoint_every``, a stop with notice, a draining
-node), with rank 0's logged steps the driver may not have logged yet."""
+node); and rank 0's record of each report, with the steps it logged since the record before, which outlives the
+checkpoint (:mod:`pipeline.training.records`)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,17 +16,14 @@ import ray.train
 from ray.train import CheckpointUploadMode
 
 from pipeline.config import CheckpointUpload, PipelineConfig
-from pipeline.training import checkpoint, parallel, preemption
+from pipeline.runtime.filesystems import RunStorage
+from pipeline.training import checkpoint, parallel, preemption, records
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import STEP_KEY, StepCheckpointed
 from pipeline.training.ledger import Ledger
 from pipeline.training.local_mode import LocalReports
 from pipeline.training.replica import Replica
 from pipeline.training.telemetry import EpochTelemetry
-
-# Logged steps every checkpoint's report keeps, however many checkpoints came since: past the seconds Ray's workers
-# train on once the driver died with its machine (3-4 s in tests/test_preemption.py; a minute at most there)
-CARRY_S = 300.0
 
 
 def report(
@@ -37,6 +34,7 @@ def report(
     rank: int,
     upload: str,
     *,
+    storage: RunStorage,
     steps: list[tuple[int, float, float]],
     position: tuple[np.ndarray, dict] | None = None,
     local: LocalReports | None = None,
@@ -44,10 +42,12 @@ def report(
     """``ray.train.report`` (a barrier: every rank calls it once per epoch, and at each checkpoint within it) with
     the checkpoint, written to a local directory that Ray Train uploads to storage and then deletes: with
     ``upload`` async (``train.checkpoint_upload``) in a thread while training goes on. Every rank's files and their
-    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`), and
-    so do the epoch's logged ``steps`` (rank 0's). ``position``: a checkpoint within the epoch, the rows trained on
-    and the epoch's figures so far. ``local``: a run in Ray Train's local mode, whose report this call persists and
-    relays (:mod:`pipeline.training.local_mode`)."""
+    sizes go in rank 0's report, so a checkpoint cut short is never taken for whole (:func:`checkpoint.newest`).
+    First, rank 0's record of the report and its logged ``steps`` goes to the run's ``storage``. ``position``: a
+    checkpoint within the epoch, the rows trained on and the epoch's figures so far. ``local``: a run in Ray Train's
+    local mode, whose report this call persists and relays (:mod:`pipeline.training.local_mode`)."""
+    if rank == 0:
+        records.write(storage, metrics, steps)
     directory = tempfile.mkdtemp(prefix="checkpoint-")
     replica.save(directory, epoch, stopper, rank)
     if position is not None and rank == 0:
@@ -55,7 +55,7 @@ def report(
     every_rank = parallel.from_every_rank(checkpoint.files(directory))
     written = {name: size for files in every_rank for name, size in files.items()}
     if rank == 0:
-        checkpoint.write_report(directory, metrics, written, steps)
+        checkpoint.write_report(directory, metrics, written)
     if local is not None:  # synchronous: the one worker's copy is the driver's process's
         ray.train.report(metrics, checkpoint=local.persist(directory, metrics))
         return
@@ -78,20 +78,14 @@ class StepCheckpoints:
     stopper: EarlyStopping | None
     cfg: PipelineConfig
     rank: int
+    storage: RunStorage  # the run's: each report's record goes there
     local: LocalReports | None = None  # a run in Ray Train's local mode: its reports persisted and relayed here
     logged: list[tuple[int, float, float]] = field(default_factory=list)  # rank 0's train_loss_step records
-    previous: int = -1  # the global step of the checkpoint before
 
-    def carried(self, global_step: int) -> list[tuple[int, float, float]]:
-        """The logged steps (global step, loss, time) a checkpoint at ``global_step`` keeps in its report, for the
-        driver to log any still on their way when it died: those since the checkpoint before the last (the last
-        one's report may be gone, Ray keeping ``train.num_to_keep``), and those of the last ``CARRY_S`` seconds
-        (Ray's workers and controller outlive a driver killed with its machine by seconds, and each checkpoint they
-        take in that time has Ray delete an older one)."""
-        carried = list(self.logged)
-        recent = time.time() - CARRY_S
-        self.logged = [record for record in self.logged if record[0] >= self.previous or record[2] >= recent]
-        self.previous = global_step
+    def carried(self) -> list[tuple[int, float, float]]:
+        """The logged steps (global step, loss, time) since the last report, for its record: the driver logs from
+        the records any still on their way when it died."""
+        carried, self.logged = self.logged, []
         return carried
 
     @property
@@ -122,7 +116,6 @@ class StepCheckpoints:
             metrics[train.checkpoint_metric] = checkpoint.unscored(train, self.cfg.task)
         upload = CheckpointUpload.sync if stopping else train.checkpoint_upload  # the process ends next
         position = ledger.trained(), telemetry.carried()  # collectives: every rank
-        steps = self.carried(global_step)
         report(
             metrics,
             self.replica,
@@ -130,7 +123,8 @@ class StepCheckpoints:
             self.stopper,
             self.rank,
             upload,
-            steps=steps,
+            storage=self.storage,
+            steps=self.carried(),
             position=position,
             local=self.local,
         )

@@ -108,6 +108,7 @@ def train_loop_per_worker(config: dict) -> None:
         stopper=stopper,
         cfg=cfg,
         rank=rank,
+        storage=job.storage,
         local=job.local,
     )
 
@@ -150,9 +151,16 @@ def train_loop_per_worker(config: dict) -> None:
                 **({"stopped_early": stopped} if stopped else {}),
             }
             before = time.perf_counter()
-            steps_logged = checkpoints.carried(epoch * steps + step)
             report(
-                metrics, replica, epoch, stopper, rank, cfg.train.checkpoint_upload, steps=steps_logged, local=job.local
+                metrics,
+                replica,
+                epoch,
+                stopper,
+                rank,
+                cfg.train.checkpoint_upload,
+                storage=job.storage,
+                steps=checkpoints.carried(),
+                local=job.local,
             )
             stalled = time.perf_counter() - before
             if stopped:
