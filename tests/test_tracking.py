@@ -96,7 +96,8 @@ def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_o
 ):
     """The driver gone before reports reached it, and Ray Train deleting the checkpoints they came with
     (train.num_to_keep=1): the run's end logs those epochs and step losses from the workers' records; training
-    restored from an older checkpoint runs the epoch again, and its first record stands (each epoch once)."""
+    restored from an older checkpoint runs the epoch and its steps again, and their first records stand (each epoch
+    and each step once)."""
     import torch
 
     from pipeline.runtime import filesystems
@@ -137,10 +138,12 @@ def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_o
     resumed.set_storage(storage)
     assert resumed.epochs.reconcile(storage) == []  # nothing new: every recorded epoch is logged
     resumed.epochs.log_restore(1, 0)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
+    resumed.epochs.log_step_loss(9.0, 15, 2e9)  # step 15 trained again: its first record stands, as an epoch's
     resumed.epochs.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})
     resumed.epochs.log_epoch({**figures, "epoch": 2, "val_accuracy": 0.95})
     history = client.get_metric_history(tracker.run_id, "val_accuracy")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.2), (1, 1.2), (2, 0.95)]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "train_loss_step")) == expected
     assert resumed.epochs.last["val_accuracy"] == 0.95 and torch.load(saved / "checkpoint.pt", weights_only=True) == {
         "epoch": 2
     }

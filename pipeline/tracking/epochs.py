@@ -120,9 +120,8 @@ class EpochLog:
         saved = {checkpoint.place(report): path for path, report in checkpoint.reports(storage.filesystem, run)}
         logged = []
         for metrics in records.read(storage):
-            for global_step, loss, at in metrics.pop(records.STEPS_KEY):
-                if global_step not in self.steps_logged:  # lost on their way: in the queue when the workers died
-                    self.log_step_loss(loss, global_step, at)
+            for global_step, loss, at in metrics.pop(records.STEPS_KEY):  # those lost on their way are logged
+                self.log_step_loss(loss, global_step, at)
             finite = all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))  # NaN failed the run
             within = STEP_KEY in metrics  # taken within its epoch: the epoch's metrics come later
             if metrics["epoch"] not in self.logged and finite and not within:
@@ -134,8 +133,10 @@ class EpochLog:
         return logged
 
     def log_step_loss(self, loss: float, global_step: int, at: float) -> None:
-        """A training batch's loss between epochs, so the UI's chart has a point per N steps; stamped with the time
-        the step ended, so that the same step logged again from a checkpoint's report is the same record."""
+        """A training batch's loss between epochs, so the UI's chart has a point per N steps, once a step: trained
+        again after a restore (from a checkpoint before it), its first record stands, as an epoch's does."""
+        if global_step in self.steps_logged:
+            return
         self.steps_logged.add(global_step)
         self.record.write(metrics_record({STEP_LOSS_METRIC: loss}, global_step, at=at))
 
