@@ -337,3 +337,62 @@ def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_o
         for process in (killed, live):
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_run_whose_driver_elsewhere_stopped_beating_is_ended_and_a_beating_one_is_not(tmp_path, caplog, monkeypatch):
+    """On a team's server a driver on another machine cannot be looked at: its heartbeat can. Silent for longer
+    than STALE_S, its run is ended KILLED by the next command, saying since when; beating, or never beaten (not
+    ours to judge), it stays RUNNING."""
+    import time
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "e").as_uri())
+    beats = {"silent": time.time() - mlflow_store.STALE_S - 120, "beating": time.time() - 60, "never": None}
+    ids = {}
+    for name, beat in beats.items():
+        tags = {mlflow_store.DRIVER_TAG: "other-host#1:4242:1700000000.00", mlflow_store.STORAGE_TAG: "s3://r/x"}
+        tags |= {mlflow_store.HEARTBEAT_TAG: f"{beat:.0f}"} if beat else {}
+        ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
+
+    capture_warnings(caplog, monkeypatch, "pipeline.tracking.mlflow_store")
+    assert mlflow_store.end_orphans(client) == [ids["silent"]]
+    silent = client.get_run(ids["silent"])
+    assert silent.info.status == "KILLED"
+    assert "its driver (pid 4242 on other-host#1) has not beaten for 17 min" in silent.data.tags[mlflow_store.ERROR_TAG]
+    assert "Continue it with: python -m pipeline train.resume=true tracking.run_name=silent" in caplog.text
+    assert [client.get_run(ids[name]).info.status for name in ("beating", "never")] == ["RUNNING", "RUNNING"]
+
+
+def test_a_driver_beats_and_takes_back_its_run_from_a_command_that_took_it_for_gone(tmp_path, monkeypatch):
+    """The heartbeat advances while the run lives; a run another command ended KILLED while this driver was cut
+    off is RUNNING again at the next beat, without the other's error; once stopped (the run ending), no more."""
+    import time
+
+    from pipeline.tracking import heartbeat
+
+    monkeypatch.setattr(heartbeat, "BEAT_S", 0.1)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("e", (tmp_path / "e").as_uri())).info.run_id
+
+    def beat() -> float:
+        return float(client.get_run(run_id).data.tags.get(mlflow_store.HEARTBEAT_TAG, 0))
+
+    def until(done, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    beating = heartbeat.Heartbeat(client, run_id)
+    until(lambda: beat() > 0, "no first beat")
+    first = beat()
+    until(lambda: beat() > first, "the beat did not advance")
+    mlflow_store.end_run(client, run_id, "KILLED", "driver gone: taken for gone")
+    until(lambda: client.get_run(run_id).info.status == "RUNNING", "the run was not taken back")
+    assert mlflow_store.ERROR_TAG not in client.get_run(run_id).data.tags
+    beating.stop()
+    time.sleep(0.3)  # a beat in flight lands
+    last = beat()
+    mlflow_store.end_run(client, run_id, "FINISHED")
+    time.sleep(1.5)  # past 10 beats
+    assert beat() == last and client.get_run(run_id).info.status == "FINISHED"

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
 DRIVER_TAG = "pipeline.driver"  # machine:pid:start time of the process that holds the run RUNNING and ends it
+HEARTBEAT_TAG = "pipeline.heartbeat"  # on a server or database: when the driver last beat (unix seconds)
+STALE_S = 900.0  # a run whose driver, on another machine, has not beaten for this long is taken for gone
 
 log = logging.getLogger(__name__)
 
@@ -291,22 +294,32 @@ def local_driver(tags: dict[str, str]) -> Driver | None:
 
 
 def end_orphans(client: MlflowClient) -> list[str]:
-    """Runs left RUNNING by a driver of this host that is gone (SIGKILL, the OOM killer, a crash: nothing ran
+    """Runs left RUNNING by a driver that is gone (SIGKILL, the OOM killer, a crash, a lost machine: nothing ran
     to end them), in any experiment of the store, ended KILLED with the reason and how to continue; their ids.
-    A command calls it as it opens the store; a run whose driver lives is never touched."""
-    machine = this_machine()
+    On this machine the driver's process says whether it is gone; on another, its heartbeat on the server or
+    database, silent for :data:`STALE_S`. A command calls it as it opens the store; a run whose driver lives is
+    never touched."""
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return []
-    running = client.search_runs(
-        experiments, filter_string=f"attributes.status = 'RUNNING' and tags.`{DRIVER_TAG}` LIKE '{machine}:%'"
-    )
-    ended = []
-    for run in running:
+    running = "attributes.status = 'RUNNING'"
+    ours = client.search_runs(experiments, filter_string=f"{running} and tags.`{DRIVER_TAG}` LIKE '{this_machine()}:%'")
+    beating = client.search_runs(experiments, filter_string=f"{running} and tags.`{HEARTBEAT_TAG}` LIKE '%'")
+    orphans = {}
+    for run in ours:
         driver = local_driver(run.data.tags)
-        if driver is None or not driver.gone:
-            continue
-        why = f"its driver (pid {driver.pid} on {socket.gethostname()}) ended without ending it (killed, or crashed)"
+        if driver is not None and driver.gone:
+            orphans[run.info.run_id] = (run, f"its driver (pid {driver.pid} on {socket.gethostname()}) ended")
+    for run in beating:
+        silent = time.time() - float(run.data.tags[HEARTBEAT_TAG])
+        if local_driver(run.data.tags) is None and silent > STALE_S:
+            where = run.data.tags.get(DRIVER_TAG, "?").rsplit(":", 2)
+            orphans[run.info.run_id] = (
+                run,
+                f"its driver (pid {where[-2]} on {where[0]}) has not beaten for {silent / 60:.0f} min",
+            )
+    for run, why in orphans.values():
+        why += " without ending it (killed, crashed, or its machine lost)"
         end_run(client, run.info.run_id, "KILLED", f"driver gone: {why}; ended by a later command (pid {os.getpid()})")
         continued = ""
         if STORAGE_TAG in run.data.tags:  # it reached training: its checkpoints stay
@@ -319,5 +332,4 @@ def end_orphans(client: MlflowClient) -> list[str]:
             why,
             continued,
         )
-        ended.append(run.info.run_id)
-    return ended
+    return list(orphans)

@@ -11,9 +11,10 @@ from pipeline.common.errors import redact
 from pipeline.common.metrics import epoch_metrics, first_task_metric
 from pipeline.common.workarounds import system_metrics_monitor
 from pipeline.config import PipelineConfig
-from pipeline.runtime.filesystems import RunStorage
+from pipeline.runtime.filesystems import RunStorage, local_store
 from pipeline.tracking.delivery import Delivery, metrics_record
 from pipeline.tracking.epochs import EpochLog
+from pipeline.tracking.heartbeat import Heartbeat
 from pipeline.tracking.lineage import dataset_name, log_data
 from pipeline.tracking.mlflow_store import (
     DRIVER_TAG,
@@ -53,6 +54,7 @@ class Tracker:
         self.epochs = EpochLog(self.record, metrics, cfg.tracking)
         self.name = self.record.name
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
+        self._heartbeat: Heartbeat | None = None  # the driver's beat on a server or database, while it runs
 
     # The tracker factory: every run the pipeline writes is created or reopened by one of these three.
 
@@ -154,7 +156,10 @@ class Tracker:
 
     def __enter__(self) -> Tracker:
         """Start MLflow's system metrics (this node's CPU, memory, disk, network, and GPU when pynvml
-        finds one) for the run, under ``system/``; a resumed run continues their steps."""
+        finds one) for the run, under ``system/``; a resumed run continues their steps. On a store other
+        machines share (a server, a database), the driver's heartbeat."""
+        if local_store(self.uri, self.cfg.paths.outputs) is None:
+            self._heartbeat = Heartbeat(self.record.client, self.run_id)
         interval = self.cfg.tracking.system_metrics_s
         if interval:
             self._system_metrics = system_metrics_monitor(self.run_id, interval, self.resume_from is not None, self.uri)
@@ -164,9 +169,11 @@ class Tracker:
         self.close(error)
 
     def close(self, error: BaseException | None) -> None:
-        """How a training run ends, in one place: a stop (Ctrl-C, SIGTERM) recorded first; the system
-        metrics stopped; the epochs the checkpoints hold logged; the end state once the store has the rest."""
+        """How a training run ends, in one place: the heartbeat stopped; a stop (Ctrl-C, SIGTERM) recorded first; the
+        system metrics stopped; the epochs the checkpoints hold logged; the end state once the store has the rest."""
         status = end_status(error)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if status == "KILLED":
             self.record.stop_first(status, error)
         if self._system_metrics is not None and not self.record.server_away:  # no use retrying its last samples
