@@ -39,11 +39,15 @@ from transforms.randomness import EPOCH, ROW
 READ_THREADS = 4  # a task reads up to this many parts at once (reading is mostly waiting on storage)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Epochs:
     """The job's epoch as the training workers read it, the rows of it trained on before a stop (a resumed epoch:
     packed bits, :mod:`pipeline.training.ledger`), and what the read tasks read: the bytes on each node, and how many
-    times each task ran (more than once: Ray ran it again, to rebuild what a lost node held)."""
+    times each task ran (more than once: Ray ran it again, to rebuild what a lost node held).
+
+    Its process killed (the OOM killer's pick), Ray starts it again and retries the calls in flight: the workers set
+    the epoch again before the next pass, and each read task carries its own; the read figures start over (the fault
+    soak, tests/test_soak.py, failed the run before)."""
 
     def __init__(self) -> None:
         self.epoch, self.trained, self.read, self.runs = 0, None, Counter(), Counter()
