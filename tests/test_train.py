@@ -31,7 +31,12 @@ def one_epoch(replica, batches, cfg, epoch: int, steps: int):
     """``train_epoch`` as the worker calls it for an epoch not resumed, with no checkpoint within it due; the
     epoch's figures as the worker reports them."""
     checkpoints = StepCheckpoints(
-        due=preemption.Due(cfg.train, None, drains=False), replica=replica, stopper=None, cfg=cfg, rank=0
+        due=preemption.Due(cfg.train, None, drains=False),
+        replica=replica,
+        stopper=None,
+        cfg=cfg,
+        rank=0,
+        storage=None,  # no checkpoint is due, so no report is recorded
     )
     ledger = Ledger(sum(len(batch["y"]) for batch in batches), torch.device("cpu"), 0)
     telemetry, _ = train_epoch(
