@@ -8,8 +8,15 @@ is logged and recorded, the sweep goes on, and :func:`pipeline.jobs.sweep.summar
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+
+# Workaround, Ray 2.60: any Ray call once the command's runtime is shut down starts a new local one (ray.init on
+# first use). A thread still polling after a failed run did so and held the command forever instead of exit 1 (the
+# fault soak, seeds 4 and 15: the event queue's actor killed). Ray reads this as it is imported, so it is set here,
+# before anything imports Ray; such a late call now raises. Canary: tests/test_ray_canaries.py.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

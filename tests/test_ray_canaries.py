@@ -92,6 +92,33 @@ def test_the_controller_settings_a_local_runtime_changes_are_still_read_from_the
     assert constants.DEFAULT_HEALTH_CHECK_INTERVAL_S == 2.0
 
 
+AFTER_SHUTDOWN = """
+import ray
+ray.init(num_cpus=1, include_dashboard=False)
+ray.shutdown()
+try:
+    ray.put(1)
+except Exception as err:
+    print("raised", type(err).__name__)
+print("initialized", ray.is_initialized())
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow  # starts Ray
+@pytest.mark.parametrize("auto_connect", ["", "0"])
+def test_a_ray_call_after_shutdown_starts_a_new_runtime_unless_auto_connect_is_off(auto_connect):
+    """Workaround: ``pipeline/__main__.py`` sets RAY_ENABLE_AUTO_CONNECT=0 before Ray is imported: by default a call
+    after ``ray.shutdown`` starts a new local runtime (what held a failed command forever); with it off, it raises."""
+    import subprocess
+
+    env = {**os.environ, "RAY_ENABLE_AUTO_CONNECT": auto_connect}
+    env.pop("RAY_ADDRESS", None)  # a team's cluster exported: this is about a local runtime
+    done = subprocess.run([sys.executable, "-c", AFTER_SHUTDOWN], env=env, capture_output=True, text=True, timeout=120)
+    expected = "initialized True\n" if auto_connect == "" else "raised RaySystemError\ninitialized False\n"
+    assert done.stdout == expected, done.stdout + done.stderr[-2000:]
+
+
 def test_shutdown_kills_a_slow_raylet_after_a_second_and_its_agents_report_its_end_for_a_minute():
     """Workaround: ``end_agents_at_exit``. ``ray.shutdown`` gives each process it started 1 s after SIGTERM
     before SIGKILL (a raylet on a loaded machine needs longer), and an agent that finds its raylet gone
