@@ -149,6 +149,38 @@ def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_o
     }
 
 
+def test_the_records_of_training_a_restore_abandons_are_dropped_and_the_epochs_run_again_are_logged(tmp_path):
+    """Ray Train skipped the reports of epochs 2-4 (a worker group it was about to restart for a resize): their
+    records were written, their checkpoints never. The restore from epoch 1's checkpoint drops the records placed
+    after it, so MLflow gets epochs 0-1 from the records and 2-4 as they run again, not the abandoned ones."""
+    from pipeline.runtime import filesystems
+    from pipeline.training import records
+
+    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
+    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
+    storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
+    tracker.set_storage(storage)
+    figures = {"train_loss": 2.0, "val_loss": 2.1, "train_throughput": 9.0, "train_rows": 64, "val_rows": 32}
+    figures |= {"data_wait_fraction": 0.1, "skipped_steps": 0}
+    for epoch in range(5):  # on two workers; a step checkpoint in epoch 1 and one in epoch 3 (abandoned)
+        if epoch in (1, 3):
+            records.write(storage, {"epoch": epoch, "epoch_step": 2, "global_step": 10 * epoch + 2}, [])
+        records.write(storage, {**figures, "epoch": epoch, "workers": 2, "val_accuracy": 0.1 * epoch}, [])
+    restored = {**figures, "epoch": 1, "workers": 2}
+    records.drop_after(storage, restored)  # what the restoring worker does before it tells the driver
+    assert [metrics["epoch"] for _, metrics in tracker.epochs.reconcile(storage)] == [0, 1]
+    with tracker:
+        tracker.epochs.log_restore(2, 20)
+        for epoch in (2, 3, 4):  # run again on one worker
+            tracker.epochs.log_epoch({**figures, "epoch": epoch, "workers": 1, "val_accuracy": 0.5 + epoch})
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "workers"))
+    assert history == [(0, 2), (1, 2), (2, 1), (3, 1), (4, 1)]
+    assert [(r["epoch"], "epoch_step" in r) for r in records.read(storage)] == [(0, False), (1, True), (1, False)]
+
+
 def test_a_resumed_run_continues_from_the_newest_whole_checkpoint_in_its_storage(tmp_path):
     """What the workers fall back on when Ray Train restores an older checkpoint or none (it records one
     only after its copy to storage): the newest checkpoint whose file is whole; one whose copy was cut

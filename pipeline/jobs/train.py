@@ -113,7 +113,6 @@ class TrainingJob:
         storage = filesystems.run_storage(self.cfg.storage, self.job.run_dir, tracker.run_id, tracker.resume_from)
         tracker.set_storage(storage)
         tracker.record.spool_to(self.job.run_dir)
-        tracker.epochs.reconcile(storage)  # a resumed run: the epoch an interrupted attempt saved but did not log
         return storage
 
     def fit(self, data: preprocess.TrainingData, storage: RunStorage) -> ray.train.Result:
@@ -259,7 +258,8 @@ class JobEvents:
         self.progress.epoch_done(event.ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:
-        # the workers restore from the newest whole checkpoint in storage: its epoch's report may never have come
+        # the workers restore from the newest whole checkpoint in storage, dropping the records of what it abandons:
+        # the epochs before it whose reports never came (an earlier attempt's too) are logged now
         for path, metrics in self.tracker.epochs.reconcile(self.tracker.storage):
             append_record(self.run_dir, "metrics.jsonl", {"checkpoint": path, "ranks": [metrics]})
         self.tracker.epochs.log_restore(event.epoch, event.global_step)

@@ -32,7 +32,7 @@ from pipeline.common.metrics import LOSSES
 from pipeline.config import OnNonfinite, PipelineConfig, TaskType
 from pipeline.data.feed import Feed, Reading
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import parallel, preemption
+from pipeline.training import parallel, preemption, records
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
 from pipeline.training.ledger import Ledger
@@ -96,7 +96,8 @@ def train_loop_per_worker(config: dict) -> None:
         state = replica.restore(restore.checkpoint, device)
         if stopper is not None:
             stopper.load_state_dict(state.get("early_stop"))
-        if rank == 0:  # the driver counts every restore
+        if rank == 0:  # the driver counts every restore, once the records of what it abandons are gone
+            records.drop_after(job.storage, restore.report)
             step = within.step if within else 0
             events.put(CheckpointRestored(start, world_size, step, start * steps + step))
     phases["model"] = time.time()
