@@ -35,6 +35,7 @@ REST = (
     "shuffle.py",
     "cluster.py",
     "checkpoint.py",
+    "notice.py",
     "levers.py",
     "preemption.py",
 )

@@ -14,9 +14,11 @@ Takes about 5 minutes on 2 cores. Prints a table and writes outputs/bench/checkp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -42,7 +44,10 @@ def stalls(outputs: Path) -> list[float]:
     return [round(value, 2) for value in stalled[1:]]  # epoch 1 has no checkpoint before it
 
 
-def main() -> None:
+@contextlib.contextmanager
+def moto_s3(bucket: str = "runs") -> Iterator[pafs.S3FileSystem]:
+    """An S3-compatible server (moto) on loopback with ``bucket``, for this process and the commands it starts
+    (``AWS_ENDPOINT_URL`` and credentials in the environment); its filesystem."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -51,26 +56,29 @@ def main() -> None:
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
-    pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True).create_dir("runs")
-    figures = {}
+    pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True).create_dir(bucket)
     try:
-        with tempfile.TemporaryDirectory() as workdir:
-            os.environ.setdefault("PIPELINE_DATA_DIR", str(Path(workdir) / "data"))  # wine is written there
-            for arm, (mode, every) in ARMS.items():
-                outputs = Path(workdir) / f"arm{len(figures)}"
-                args = [*WIDE, f"train.checkpoint_upload={mode}", f"train.checkpoint_every={every}"]
-                run = pipeline_run([*args, f"storage.path=s3://runs/{mode}"], outputs, log=Path(workdir) / "log")
-                figures[arm] = {
-                    "checkpoint_stall_s": stalls(outputs),
-                    "samples_s": run["samples_s"],
-                    "wall_s": run["wall_s"],
-                    "step_checkpoints": len(metric_history(*last_run(outputs), "checkpoint_step")),
-                }
-            fs = pafs.S3FileSystem(endpoint_override=endpoint)
-            sizes = [i.size for i in fs.get_file_info(pafs.FileSelector("runs/async", recursive=True)) if i.is_file]
-            figures["checkpoint_mb"] = round(max(sizes) / 1e6)
+        yield pafs.S3FileSystem(endpoint_override=endpoint)
     finally:
         server.stop()
+
+
+def main() -> None:
+    figures = {}
+    with moto_s3() as fs, tempfile.TemporaryDirectory() as workdir:
+        os.environ.setdefault("PIPELINE_DATA_DIR", str(Path(workdir) / "data"))  # wine is written there
+        for arm, (mode, every) in ARMS.items():
+            outputs = Path(workdir) / f"arm{len(figures)}"
+            args = [*WIDE, f"train.checkpoint_upload={mode}", f"train.checkpoint_every={every}"]
+            run = pipeline_run([*args, f"storage.path=s3://runs/{mode}"], outputs, log=Path(workdir) / "log")
+            figures[arm] = {
+                "checkpoint_stall_s": stalls(outputs),
+                "samples_s": run["samples_s"],
+                "wall_s": run["wall_s"],
+                "step_checkpoints": len(metric_history(*last_run(outputs), "checkpoint_step")),
+            }
+        sizes = [i.size for i in fs.get_file_info(pafs.FileSelector("runs/async", recursive=True)) if i.is_file]
+        figures["checkpoint_mb"] = round(max(sizes) / 1e6)
     rows = [
         (mode, f["checkpoint_stall_s"], f["samples_s"], f["step_checkpoints"], f["wall_s"])
         for mode, f in figures.items()
