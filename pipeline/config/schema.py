@@ -155,11 +155,11 @@ class TrainConfig:
     # 500): a machine lost without notice costs at most that; a resumed run continues from the step it reached, each
     # of the epoch's other rows once; null: off (docs/troubleshooting.md, "A stopped run continues from its step")
     checkpoint_every: Optional[str] = "10 min"
-    # on SIGTERM or Ctrl-C (ray job stop, a spot notice), the workers checkpoint at the step they are on before
-    # the command ends; the driver records the stop, then waits at most stop_grace_s for it (ray job stop allows
-    # 3 s: RAY_JOB_STOP_WAIT_TIME_S; docs/troubleshooting.md, "A stopped run")
+    # on SIGTERM or Ctrl-C, the workers checkpoint at the step they are on; the driver records the stop, then waits
+    # at most stop_grace_s for it (a second signal ends the wait): 25 s fits a 404 MB one to S3 (12 s on 2 cores)
+    # within Slurm's, Kubernetes' and a spot VM's 30 s (docs/troubleshooting.md, "A stopped run"; bench/notice.py)
     checkpoint_on_stop: bool = True
-    stop_grace_s: float = 2.0
+    stop_grace_s: float = 25.0
     # the best model's serving files, in its LoggedModel's export/ (docs/models.md, "Exporting"), each checked
     # against the eager model: torch_export (a .pt2 program: torch alone loads it, no pickle, the same kernels) and
     # onnx (for runtimes outside Python; needs pip install '.[onnx]'); []: none

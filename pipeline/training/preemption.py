@@ -71,6 +71,11 @@ def checkpoint_before_stop(
     all before ``ray job stop``'s SIGKILL."""
     notice.stop.remote()
     answer = notice.answer.remote()
+    log.warning(
+        "stopping: checkpoint at the step the workers are on, waited on at most %gs (a second signal ends the "
+        "wait; train.stop_grace_s)",
+        grace_s,
+    )
     meanwhile()
     ready, _ = ray.wait([answer], timeout=grace_s)
     if not ready:
