@@ -137,6 +137,7 @@ def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_o
     resumed = Tracker(store, tracker.run_id, storage.uri, cfg)
     resumed.set_storage(storage)
     assert resumed.epochs.reconcile(storage) == []  # nothing new: every recorded epoch is logged
+    assert resumed.epochs.last["val_accuracy"] == 1.2  # the newest finite one: a resume with no epoch left ends on it
     resumed.epochs.log_restore(1, 0)  # Ray Train restored epoch 0's checkpoint: epoch 1 runs again
     resumed.epochs.log_step_loss(9.0, 15, 2e9)  # step 15 trained again: its first record stands, as an epoch's
     resumed.epochs.log_epoch({**figures, "epoch": 1, "val_accuracy": 0.9})

@@ -130,6 +130,8 @@ class EpochLog:
                 path = saved.get(checkpoint.place(metrics))
                 self.log_epoch(metrics, path)
                 logged.append((path, metrics))
+            elif finite and not within and (self.last is None or metrics["epoch"] > self.last["epoch"]):
+                self.last = metrics  # logged by an earlier command: a resume with nothing left to train ends on it
         return logged
 
     def log_step_loss(self, loss: float, global_step: int, at: float) -> None:
