@@ -196,7 +196,7 @@ def test_a_stopped_fit_leaves_ray_only_once_its_run_has_ended(monkeypatch):
 
     threading.Timer(0.2, sigterm).start()
     with pytest.raises(SystemExit):
-        trainer.fit_off_main_thread(EndingTrainer(), on_stop=lambda error: True)
+        trainer.fit_off_main_thread(EndingTrainer(), on_stop=lambda error, ended: True)
     assert order == []  # the process has not begun to exit
     (leave_ray,) = at_exit
     leave_ray()

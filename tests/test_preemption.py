@@ -416,7 +416,7 @@ def test_an_epoch_resumed_from_a_checkpoint_within_it_reports_the_whole_epochs_f
 def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes_one_that_comes(ray_runtime):
     """The notice's protocol on a real actor: the workers told first, then the stop recorded; a stop with no
     checkpoint answering ends after the grace, with None (not an error, which would end a stopped run FAILED); a
-    worker that hears the stop and saves is heard at once."""
+    worker that hears the stop and saves is heard at once; training that ends meanwhile ends the wait."""
     import ray
 
     from pipeline.training.events import StepCheckpointed
@@ -442,7 +442,14 @@ def test_the_driver_waits_for_the_workers_checkpoint_at_most_its_grace_and_takes
     started = time.monotonic()
     assert preemption.checkpoint_before_stop(notice, grace_s=30) == saved
     assert time.monotonic() - started < 10  # heard at once, not at the end of the grace
-    for actor in (silent, notice):
+
+    # training ends while the driver waits (its last epoch done, its workers gone): none will answer
+    quiet, ended = preemption.Notice.remote(), threading.Event()
+    threading.Timer(0.5, ended.set).start()
+    started = time.monotonic()
+    assert preemption.checkpoint_before_stop(quiet, grace_s=30, ended=ended) is None
+    assert time.monotonic() - started < 10  # not the grace's 30 s
+    for actor in (silent, notice, quiet):
         ray.kill(actor)
 
     # the notice gone is a notice too: it lives with the driver, so the driver's process or node is going

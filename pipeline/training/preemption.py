@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 STOPPING = "the command is stopping"  # why a checkpoint was taken, in its report, when the driver's notice asked for it
 DRAIN_CHECK_S = 5.0  # how often the ranks ask Ray Train whether a node of theirs is draining: its own poll's interval
+ENDED_CHECK_S = 0.5  # how often the driver, waiting for the stop's checkpoint, looks whether training has ended
 
 
 @ray.remote(num_cpus=0)
@@ -62,13 +63,17 @@ class Notice:
 
 
 def checkpoint_before_stop(
-    notice: ray.actor.ActorHandle, grace_s: float, meanwhile: Callable[[], None] = lambda: None
+    notice: ray.actor.ActorHandle,
+    grace_s: float,
+    meanwhile: Callable[[], None] = lambda: None,
+    ended: threading.Event | None = None,
 ) -> StepCheckpointed | None:
     """On the driver, the command stopping: ask the workers for a checkpoint at the step they are on, run
     ``meanwhile`` (the stop recorded while they save), and wait for it at most ``grace_s`` (a second signal ends the
-    wait at once); the checkpoint, None when none came in time. ``ray.wait``, not ``ray.get(timeout=)``: on a busy
-    machine the answer can come after the grace, and a ``GetTimeoutError`` here would end the run FAILED, or not at
-    all before ``ray job stop``'s SIGKILL."""
+    wait at once), or until training has ``ended`` (its last epoch done, or its workers gone: none will answer); the
+    checkpoint, None when none came. ``ray.wait``, not ``ray.get(timeout=)``: on a busy machine the answer can come
+    after the grace, and a ``GetTimeoutError`` here would end the run FAILED, or not at all before ``ray job stop``'s
+    SIGKILL."""
     notice.stop.remote()
     answer = notice.answer.remote()
     log.warning(
@@ -77,9 +82,16 @@ def checkpoint_before_stop(
         grace_s,
     )
     meanwhile()
-    ready, _ = ray.wait([answer], timeout=grace_s)
+    deadline, ready = time.monotonic() + grace_s, []
+    while not ready and (left := deadline - time.monotonic()) > 0 and not (ended is not None and ended.is_set()):
+        ready, _ = ray.wait([answer], timeout=min(left, ENDED_CHECK_S))
     if not ready:
-        log.warning("stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s)
+        if ended is not None and ended.is_set():
+            log.warning("stopping: training ended before a checkpoint at a step; a resume starts from the last one")
+        else:
+            log.warning(
+                "stopping: no checkpoint within train.stop_grace_s=%gs; a resume starts from the last one", grace_s
+            )
         return None
     saved = ray.get(answer)
     log.warning("stopping: checkpointed at epoch %d, step %d", saved.epoch + 1, saved.step)

@@ -244,24 +244,29 @@ def fit(
 
 
 def stop_with_notice(
-    notice: ray.actor.ActorHandle, grace_s: float, handler: EventHandler | None, error: BaseException
+    notice: ray.actor.ActorHandle,
+    grace_s: float,
+    handler: EventHandler | None,
+    error: BaseException,
+    ended: threading.Event,
 ) -> bool:
     """The workers asked for a checkpoint at the step they are on
     (:func:`pipeline.training.preemption.checkpoint_before_stop`), the stop (``error``) handed to ``handler`` while
     they save it, then the checkpoint, handed to it at once: the command ends before Ray Train's controller would
     relay it. Whether it came: the workers then end, and Ray Train's run with them."""
     recorded = partial(handler.stopping, error) if handler is not None else lambda: None
-    saved = preemption.checkpoint_before_stop(notice, grace_s, recorded)
+    saved = preemption.checkpoint_before_stop(notice, grace_s, recorded, ended)
     if saved is not None and handler is not None:
         handler.step_checkpointed(saved)
     return saved is not None
 
 
 def fit_off_main_thread(
-    trainer: TorchTrainer, on_stop: Callable[[BaseException], bool] | None = None
+    trainer: TorchTrainer, on_stop: Callable[[BaseException, threading.Event], bool] | None = None
 ) -> ray.train.Result:
     """``trainer.fit()`` in a helper thread, waited on from this one; on Ctrl-C or SIGTERM, ``on_stop`` runs
-    before the stop goes on (the workers' checkpoint at the step they are on; True when the workers end after it).
+    before the stop goes on (the workers' checkpoint at the step they are on, given the event ``fit()`` sets when it
+    returns; True when the workers end after it).
 
     Ray 2.60: ``TorchTrainer.fit()`` on the main thread installs its own SIGINT handler and leaves it
     installed; it turns Ctrl-C into exit status 0 and keeps the run's controller actor (and its
@@ -303,7 +308,7 @@ def fit_off_main_thread(
         atexit.register(leave_ray)
         error = sys.exc_info()[1]
         if isinstance(error, (KeyboardInterrupt, SystemExit)) and on_stop is not None:
-            workers_end = on_stop(error)
+            workers_end = on_stop(error, done)
         raise
     if "error" in outcome:
         raise outcome["error"]
