@@ -8,7 +8,10 @@ docs/troubleshooting.md::
 
     PIPELINE_SOAK_SEEDS=0-43 PIPELINE_SOAK_TABLE=soak.jsonl python -m pytest -m soak tests/test_soak.py -n 1
 
-Seeds N and N + 11 draw the same fault (11 kinds) at different moments; the default, 0-10, is one of each.
+Seeds N and N + 11 draw the same fault (11 kinds) at different moments; the default, 0-10, is one of each. The
+issue's compile + FSDP case is a soak test of its own, tried ``PIPELINE_SOAK_COMPILED_TRIES`` times (1 by default)::
+
+    PIPELINE_SOAK_COMPILED_TRIES=10 python -m pytest -m soak tests/test_soak.py -k compiled -n 1
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 from servers import mlflow_server
+from test_fault_tolerance import assert_each_epoch_once, wait_for_epochs
+from test_parallel import VIT
+from test_parallel import the_run as named_run
+from test_pipeline import cli_env
 from test_preemption import TRAIN_ROWS, epochs_of, finish, forwards, history, start, wait_for_step, workers
 
 EPOCHS, EVERY, LOG_EVERY = 2, 10, 5  # epochs a run trains, train.checkpoint_every (steps), tracking.log_every_n_steps
@@ -257,3 +264,47 @@ def write_row(row: dict) -> None:
     if table := os.environ.get("PIPELINE_SOAK_TABLE"):
         with open(table, "a") as out:
             out.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.parametrize("attempt", range(int(os.environ.get("PIPELINE_SOAK_COMPILED_TRIES", "1"))))
+def test_a_compiled_fsdp_run_whose_process_group_is_stopped_logs_each_epoch_once_after_its_resume(
+    tmp_path, data_root, attempt
+):
+    """Issue 75's case as a user met it (two of five tries lost an epoch's record at f0f0438): ``train.compile``,
+    FSDP and activation checkpointing on two workers; the command's process group SIGTERMed once epoch 1 is
+    reported (Ray's workers, outside the group, train on), then resumed on one worker: FINISHED, each of the six
+    epochs in MLflow once. ``PIPELINE_SOAK_COMPILED_TRIES=10`` for the issue's ten tries."""
+    run = [*VIT, "scaling.strategy=fsdp", "train.compile=true", "train.activation_checkpointing=true", "train.epochs=6"]
+    run.append("tracking.run_name=compiled")
+    command = [sys.executable, "-m", "pipeline", *run]
+    stopped = subprocess.Popen(
+        [*command, "hydra.run.dir=run"],
+        cwd=tmp_path,
+        env=cli_env(data_root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's or a scheduler's
+    )
+    try:
+        wait_for_epochs(tmp_path / "run", 1)
+        os.killpg(stopped.pid, signal.SIGTERM)
+        output = stopped.communicate(timeout=HANG_S)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(stopped.pid, signal.SIGKILL)
+    assert stopped.returncode != 0, output[-3000:]
+    resumed = subprocess.run(
+        [*command, "train.resume=true", "scaling.num_workers=1", "hydra.run.dir=resumed"],
+        cwd=tmp_path,
+        env=cli_env(data_root),
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    client, ended = named_run(tmp_path, name="compiled")
+    assert ended.info.status == "FINISHED"
+    assert_each_epoch_once(client, ended.info.run_id, 6)
