@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import capture_warnings, compose_cfg
@@ -91,6 +92,21 @@ def test_runs_are_found_by_names_and_paths_that_hold_quotes(tmp_path):
     assert mlflow_store.sweep_parent(client, experiment, sweep_dir) == parent  # found again, not created twice
 
 
+def run_with_storage(tmp_path: Path):
+    """A smoke run started on a SQLite store in ``tmp_path``, its storage set: the config, client, store, tracker
+    and storage."""
+    from pipeline.runtime import filesystems
+
+    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
+    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
+    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
+    storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
+    tracker.set_storage(storage)
+    return cfg, client, store, tracker, storage
+
+
 def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_once_their_checkpoints_are_gone(
     tmp_path,
 ):
@@ -100,16 +116,9 @@ def test_an_epoch_and_steps_never_reported_are_logged_from_the_workers_records_o
     and each step once)."""
     import torch
 
-    from pipeline.runtime import filesystems
     from pipeline.training import records
 
-    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
-    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
-    storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
-    tracker.set_storage(storage)
+    cfg, client, store, tracker, storage = run_with_storage(tmp_path)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.2, "train_throughput": 9.0, "train_rows": 64}
     figures |= {"val_rows": 32, "data_wait_fraction": 0.1, "skipped_steps": 0, "workers": 2}
     for epoch in (0, 1, 2):  # all recorded; only epoch 0's report reached the driver; epoch 2's loss is NaN
@@ -154,16 +163,9 @@ def test_the_records_of_training_a_restore_abandons_are_dropped_and_the_epochs_r
     """Ray Train skipped the reports of epochs 2-4 (a worker group it was about to restart for a resize): their
     records were written, their checkpoints never. The restore from epoch 1's checkpoint drops the records placed
     after it, so MLflow gets epochs 0-1 from the records and 2-4 as they run again, not the abandoned ones."""
-    from pipeline.runtime import filesystems
     from pipeline.training import records
 
-    cfg = compose_cfg(["+experiment=smoke", "tracking.log_model=false"])
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.create_experiment("e", artifact_location=(tmp_path / "artifacts").as_uri())
-    store = mlflow_store.Store(client, client.tracking_uri, "e", experiment)
-    tracker = Tracker.start(store, cfg, Job(str(tmp_path), "e"), None, None)
-    storage = filesystems.run_storage(cfg.storage, str(tmp_path), tracker.run_id)
-    tracker.set_storage(storage)
+    _, client, _, tracker, storage = run_with_storage(tmp_path)
     figures = {"train_loss": 2.0, "val_loss": 2.1, "train_throughput": 9.0, "train_rows": 64, "val_rows": 32}
     figures |= {"data_wait_fraction": 0.1, "skipped_steps": 0}
     for epoch in range(5):  # on two workers; a step checkpoint in epoch 1 and one in epoch 3 (abandoned)
