@@ -1,7 +1,8 @@
-"""The config: its schema (:mod:`.schema`), turned into typed objects and checked (:mod:`.checks`), and its
-pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
+"""The config: its schema (:mod:`.schema`), registered with Hydra (:mod:`.hydra_store`), turned into typed objects
+and checked (:mod:`.checks`), and its pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
 
 from pipeline.config.checks import check_overrides, check_targets, check_values, closest, load, logged, validate
+from pipeline.config.hydra_store import experiment_choice, register
 from pipeline.config.layout import Layout
 from pipeline.config.schema import (
     CONF_DIR,
@@ -27,8 +28,6 @@ from pipeline.config.schema import (
     TrackingConfig,
     TrainConfig,
     TransformSpec,
-    experiment_choice,
-    register,
 )
 from pipeline.config.targets import check_target
 
