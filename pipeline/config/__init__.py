@@ -1,5 +1,6 @@
 """The config: its schema (:mod:`.schema`), registered with Hydra (:mod:`.hydra_store`), turned into typed objects
-and checked (:mod:`.checks`), and its pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the pipeline: every stage imports it."""
+and checked (:mod:`.checks`), and its pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the
+pipeline: every stage imports it."""
 
 from pipeline.config.checks import check_overrides, check_targets, check_values, closest, load, logged, validate
 from pipeline.config.hydra_store import experiment_choice, register

@@ -82,11 +82,12 @@ def checkpoint_before_stop(
         grace_s,
     )
     meanwhile()
+    ended = ended or threading.Event()  # none given: only the grace ends the wait
     deadline, ready = time.monotonic() + grace_s, []
-    while not ready and (left := deadline - time.monotonic()) > 0 and not (ended is not None and ended.is_set()):
+    while not ready and (left := deadline - time.monotonic()) > 0 and not ended.is_set():
         ready, _ = ray.wait([answer], timeout=min(left, ENDED_CHECK_S))
     if not ready:
-        if ended is not None and ended.is_set():
+        if ended.is_set():
             log.warning("stopping: training ended before a checkpoint at a step; a resume starts from the last one")
         else:
             log.warning(
