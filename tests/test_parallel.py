@@ -78,8 +78,7 @@ def train_and_save(rank: int, world: int, cfg, out: str, restore: str | None, st
         for step in range(2):  # two optimizer steps, each on two accumulated batches
             for micro in range(2):
                 features, labels = batch(cfg, rank, 2 * step + micro)
-                loss = replica.task.loss(replica.model(replica.scale(features)), labels)
-                replica.backward(loss, 2, update=micro == 1)
+                replica.train_batch(features, labels, accumulate=2, update=micro == 1)
             assert replica.step()
         memory = parallel.memory(replica.model, replica.optimizer)
         whole = {k: parallel.full(v) for k, v in replica.module.state_dict().items()}
@@ -153,7 +152,7 @@ def growth(rank: int, world: int, cfg, start_dir: str | None, out: str) -> None:
         replica = Replica.build(cfg, CPU, total_steps=10, statistics=None, start=start_dir)
         built = memory.grown()
         features, labels = batch(cfg, rank, 0)
-        replica.backward(replica.task.loss(replica.model(replica.scale(features)), labels), 1, update=True)
+        replica.train_batch(features, labels, accumulate=1, update=True)
         assert replica.step()
         memory.running = False
         Path(out, f"rank{rank}.json").write_text(json.dumps({"built": built, "stepped": memory.grown()}))

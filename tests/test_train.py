@@ -16,6 +16,7 @@ from pipeline.config import Layout, OnNonfinite, PipelineConfig, TaskConfig, Tra
 from pipeline.training import parallel, preemption
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ledger import Ledger
+from pipeline.training.micro_batch import MicroBatch
 from pipeline.training.precision import autocast_settings
 from pipeline.training.replica import Replica
 from pipeline.training.reports import StepCheckpoints
@@ -70,6 +71,7 @@ def replica_of(model, task=CLASSIFY, optimizer=torch.optim.SGD, lr=0.1, grad_cli
         layout=layout,
         grad_clip=grad_clip,
         on_nonfinite=OnNonfinite[on_nonfinite],
+        micro=MicroBatch(None, auto=False, batch=4),
     )
 
 
@@ -127,8 +129,9 @@ def test_an_epoch_reports_exactly_the_declared_metrics(task):
     cfg = epoch_cfg()
     cfg = replace(cfg, task=task, source=replace(cfg.source, num_classes=3 if task.type == "classification" else None))
     metrics = one_epoch(replica, batches, cfg, 0, 3) | validate(replica, batches)
-    # the loop adds the one figure an epoch cannot know of itself: what the previous checkpoint held training up
-    assert set(metrics) | {"checkpoint_stall_s"} == set(epoch_metrics(task.type, task.metrics))
+    # the loop adds what an epoch cannot know of itself: what the previous checkpoint held training up, and the
+    # rows per forward (train.micro_batch), which the loop reads from the replica at the epoch's end
+    assert set(metrics) | {"checkpoint_stall_s", "micro_batch"} == set(epoch_metrics(task.type, task.metrics))
     assert metrics["param_bytes"] == 4 * (4 * outputs + outputs)  # float32 weight and bias
     assert metrics["optimizer_bytes"] == 0  # plain SGD keeps no state
     assert metrics["train_rows"] == metrics["val_rows"] == metrics["train_rows_distinct"] == 12

@@ -63,6 +63,7 @@ COUNTERS = {
     # a worker's parameters and optimizer state (rank 0's: with scaling.strategy=fsdp, its shards)
     "param_bytes": Metric(lower_is_better=True),
     "optimizer_bytes": Metric(lower_is_better=True),
+    "micro_batch": Metric(lower_is_better=False),  # rows per forward and backward (train.micro_batch)
     "checkpoint_stall_s": Metric(lower_is_better=True),  # what the previous epoch's checkpoint held training up
     # a worker's peak memory (rank 0's): the GPU's allocated bytes, or on CPU the process's peak resident size
     "peak_memory_bytes": Metric(lower_is_better=True),

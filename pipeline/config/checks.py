@@ -283,6 +283,7 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
     _require(train.max_failures >= -1, f"train.max_failures must be >= -1, got {train.max_failures}.")
     try:
         train.step_checkpoints()
+        _, auto = train.micro_rows()
     except ValueError as err:
         raise PipelineError(str(err)) from None
     _require(
@@ -291,6 +292,13 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
         "train.num_to_keep=null keeps them all, so the run's storage grows without end. Set train.num_to_keep (2, "
         "the default, keeps the latest two; with train.checkpoint_metric, the best epochs' and the latest), or "
         "train.checkpoint_every=null as well to keep every epoch's checkpoint and none within an epoch.",
+    )
+    _require(
+        not (auto and train.accumulate > 1),
+        f"train.micro_batch=auto splits each batch into as many parts as fit, and a batch that runs out of memory "
+        f"runs again from its start, which a batch accumulated onto the gradients of train.accumulate="
+        f"{train.accumulate}'s earlier ones cannot: set the rows per optimizer step as ingest.batch_size and "
+        "train.accumulate=1 (the global batch is the same), or train.micro_batch to a number of rows.",
     )
     _require(train.stop_grace_s >= 0, f"train.stop_grace_s must be >= 0, got {train.stop_grace_s}.")
     _require(
@@ -346,6 +354,12 @@ def check_levers(train: TrainConfig, scaling: ScalingConfig) -> None:
         not (scaling.strategy == Strategy.fsdp and train.amp and train.amp_dtype == AmpDtype.float16),
         "scaling.strategy=fsdp casts to train.amp_dtype through FSDP's mixed-precision policy, which here takes "
         "bfloat16 only: float16 would need a sharded GradScaler. Set train.amp_dtype=bfloat16.",
+    )
+    _require(
+        not (scaling.strategy == Strategy.fsdp and train.micro_rows()[1]),
+        "train.micro_batch=auto retries a batch when one rank runs out of memory, but FSDP's ranks gather each "
+        "block's weights together within the forward and backward, so a rank that fails mid-batch leaves the "
+        "others waiting in a collective: set train.micro_batch to a number of rows with scaling.strategy=fsdp.",
     )
     _require(
         train.blocks is None or (len(train.blocks) > 0 and all(isinstance(b, str) and b for b in train.blocks)),

@@ -135,6 +135,10 @@ class TrainConfig:
     resume: bool = False  # continue the run named tracking.run_name from its latest checkpoint
     grad_clip: Optional[float] = None  # clip the gradients' global L2 norm to this before each step; null: no clip
     accumulate: int = 1  # batches per optimizer step (gradient accumulation: DDP all-reduces only on the last)
+    # rows per forward and backward within a worker's batch (accumulated: the batch, its optimizer step and the LR
+    # schedule unchanged): a number; auto (start with the whole batch, halve on out of memory and run the batch
+    # again, every rank alike; the size is logged as micro_batch and kept in checkpoints); null: the whole batch
+    micro_batch: Optional[str] = None
     # a loss or gradient that is NaN or inf: raise (the run fails, naming the epoch and step) or skip (that
     # optimizer step is not taken; counted per epoch as skipped_steps)
     on_nonfinite: OnNonfinite = OnNonfinite["raise"]
@@ -175,6 +179,16 @@ class TrainConfig:
         if self.ema is None:
             return None
         return "raw" if self.ema_model else "ema"
+
+    def micro_rows(self) -> tuple[int | None, bool]:
+        """``micro_batch`` as (rows per forward and backward, or None for the whole batch; whether ``auto``)."""
+        if self.micro_batch is None or str(self.micro_batch) == "auto":
+            return None, self.micro_batch is not None
+        if not str(self.micro_batch).isdigit() or int(self.micro_batch) < 1:
+            raise ValueError(
+                f"train.micro_batch must be a number of rows (>= 1), auto or null; got {self.micro_batch!r}."
+            )
+        return int(self.micro_batch), False
 
     def step_checkpoints(self) -> tuple[int | None, float | None]:
         """``checkpoint_every`` as (optimizer steps, seconds), one of them set, or (None, None) when off."""

@@ -41,7 +41,14 @@ from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.tracker import Tracker
 from pipeline.training import finetune, task, trainer
-from pipeline.training.events import CheckpointRestored, EpochReported, StepCheckpointed, StepTaken, WorkerStarted
+from pipeline.training.events import (
+    CheckpointRestored,
+    EpochReported,
+    MicroBatchHalved,
+    StepCheckpointed,
+    StepTaken,
+    WorkerStarted,
+)
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +275,16 @@ class JobEvents:
     def step_checkpointed(self, event: StepCheckpointed) -> None:
         self.tracker.epochs.log_step_checkpoint(event.global_step)
         log.info("checkpointed at epoch %d, step %d: %s", event.epoch + 1, event.step, event.why)
+
+    def micro_batch_halved(self, event: MicroBatchHalved) -> None:
+        log.warning(
+            "train.micro_batch=auto: out of memory with %d rows per forward at epoch %d, step %d; %d from now on "
+            "(the batch and its optimizer step unchanged)",
+            event.was,
+            event.epoch + 1,
+            event.step,
+            event.rows,
+        )
 
     def stopping(self, error: BaseException) -> None:
         """How to continue said, and the stop recorded, while the workers save: ray job stop's SIGKILL may come

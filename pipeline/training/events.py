@@ -59,6 +59,17 @@ class StepCheckpointed:
     why: str = ""  # what it was taken for: train.checkpoint_every, a node draining, the command stopping
 
 
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchHalved:
+    """``train.micro_batch=auto``: a batch ran out of memory on some rank, and every rank now takes ``rows`` rows per
+    forward (``was`` before), from step ``step`` of ``epoch`` on."""
+
+    epoch: int
+    step: int
+    was: int
+    rows: int
+
+
 @dataclass(frozen=True)
 class EpochReported:
     """Every rank's metrics for an epoch, and where Ray Train persisted rank 0's checkpoint."""

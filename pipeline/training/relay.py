@@ -4,9 +4,9 @@ thread, each report's ranks checked to agree, and handed to a job's :class:`Even
 ``metrics.jsonl``, restores to both); a Tune trial has none. This module never sees MLflow: Ray Train's
 controller unpickles :class:`ReportRelay` from it, and MLflow's imports would delay every run's start.
 
-The events are the dataclasses of :mod:`pipeline.training.events`: ``WorkerStarted``, ``StepTaken`` and
-``CheckpointRestored`` from :mod:`pipeline.training.worker`; ``EpochReported`` and ``StepCheckpointed`` (a checkpoint
-within an epoch) from :class:`ReportRelay` in Ray Train's controller.
+The events are the dataclasses of :mod:`pipeline.training.events`: ``WorkerStarted``, ``StepTaken``,
+``CheckpointRestored`` and ``MicroBatchHalved`` from :mod:`pipeline.training.worker`; ``EpochReported`` and
+``StepCheckpointed`` (a checkpoint within an epoch) from :class:`ReportRelay` in Ray Train's controller.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pipeline.training.events import (
     STEP_KEY,
     CheckpointRestored,
     EpochReported,
+    MicroBatchHalved,
     StepCheckpointed,
     StepTaken,
     WorkerStarted,
@@ -48,6 +49,8 @@ class EventHandler(Protocol):
     def checkpoint_restored(self, event: CheckpointRestored) -> None: ...
 
     def step_checkpointed(self, event: StepCheckpointed) -> None: ...
+
+    def micro_batch_halved(self, event: MicroBatchHalved) -> None: ...
 
     def stopping(self, error: BaseException) -> None:
         """The command is stopping (Ctrl-C, SIGTERM), before the workers' checkpoint is waited on."""
@@ -119,6 +122,7 @@ def relayed(events: Queue, handler: EventHandler | None):
             EpochReported: handler.epoch_reported,
             CheckpointRestored: handler.checkpoint_restored,
             StepCheckpointed: handler.step_checkpointed,
+            MicroBatchHalved: handler.micro_batch_halved,
         }
     )
 

@@ -20,6 +20,7 @@ from pipeline.training import checkpoint, finetune, parallel
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.ema import Ema
 from pipeline.training.finetune import Initial
+from pipeline.training.micro_batch import MicroBatch, out_of_memory
 from pipeline.training.precision import autocast_settings
 from pipeline.training.scaling import feature_scaler
 from pipeline.training.task import Task
@@ -45,6 +46,7 @@ class Replica:
     held_out: torch.Tensor | None = None  # up to 64 validation rows' features, unscaled: what exports are checked on
     ema: Ema | None = None  # train.ema's averages of the weights
     ema_model: bool = True  # train.ema_model: the averages are the run's model
+    micro: MicroBatch  # train.micro_batch: the rows of each forward and backward
 
     @classmethod
     def build(
@@ -97,6 +99,7 @@ class Replica:
             on_nonfinite=cfg.train.on_nonfinite,
             ema=ema,
             ema_model=cfg.train.ema_model,
+            micro=MicroBatch(*cfg.train.micro_rows(), batch=cfg.ingest.batch_size // parallel.world_size()),
         )
 
     @property
@@ -105,11 +108,42 @@ class Replica:
         model = self.model
         return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
-    def backward(self, loss: torch.Tensor, accumulate: int, update: bool) -> None:
-        """Add this batch's share of the gradients, which are synchronized over the workers only on the batch
-        before an optimizer step (:func:`pipeline.training.parallel.gradient_sync`)."""
-        with parallel.gradient_sync(self.model, update):
-            self.scaler.scale(loss / accumulate).backward()
+    def train_batch(
+        self, features: torch.Tensor, labels: torch.Tensor, *, accumulate: int, update: bool
+    ) -> torch.Tensor:
+        """One batch's forward and backward, in ``train.micro_batch``'s parts, adding its share of the gradients; its
+        mean loss. Gradients are synchronized over the workers only on the last part of the batch before an optimizer
+        step (:func:`pipeline.training.parallel.gradient_sync`). With ``auto``, a part out of memory on any rank
+        halves every rank's parts and the batch runs again (:mod:`pipeline.training.micro_batch`)."""
+        while True:
+            loss = self.forward_backward(features, labels, accumulate, update)
+            if not self.micro.auto or self.micro.agreed(self.model, failed=loss is None):
+                return loss
+            self.optimizer.zero_grad(set_to_none=True)  # auto: this batch's alone (train.accumulate=1)
+            self.micro.halve(labels.device)
+
+    def forward_backward(
+        self, features: torch.Tensor, labels: torch.Tensor, accumulate: int, update: bool
+    ) -> torch.Tensor | None:
+        """The batch's parts through the model and back; None when one ran out of memory with ``auto``. With
+        ``auto`` the parts run on the model without DDP's wrapper: the gradients' all-reduce is ``agreed``'s."""
+        rows, parts = len(labels), self.micro.parts(len(labels))
+        model = self.module if self.micro.auto else self.model
+        total = torch.zeros((), device=labels.device)
+        try:
+            for index, part in enumerate(parts):
+                synced = update and index == len(parts) - 1 and not self.micro.auto
+                with parallel.gradient_sync(self.model, synced):  # DDP's no_sync takes the forward too
+                    with self.autocast:
+                        loss = self.task.loss(model(self.scale(features[part])), labels[part])
+                    share = len(labels[part]) / rows / accumulate  # of the optimizer step's mean loss
+                    self.scaler.scale(loss * share).backward()
+                total += loss.detach().float() * len(labels[part])
+        except RuntimeError as error:
+            if not (self.micro.auto and out_of_memory(error)):
+                raise
+            return None  # the traceback, and the failed part's tensors with it, are released here
+        return total / rows
 
     def step(self) -> bool:
         """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``. With
@@ -152,6 +186,7 @@ class Replica:
             "classes": self.layout.classes,  # the class names, index order, where labels are names
             "input_example": self.example,
             "held_out": self.held_out,
+            "micro_batch": self.micro.rows,  # train.micro_batch=auto's size found: a resume starts from it
         }
         if sharded:
             state[checkpoint.SHARDED_KEY] = [*checkpoint.SHARDED_DIRS, *([checkpoint.EMA_KEY] if self.ema else [])]
@@ -188,6 +223,8 @@ class Replica:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"].cpu())
+        if self.micro.auto and state.get("micro_batch"):
+            self.micro.rows = state["micro_batch"]
         if state.get("input_example") is not None:  # a run resumed at its epoch's last step trains no batch in it
             self.example = state["input_example"].cpu()
         if state.get("held_out") is not None:  # nor validates before its checkpoint

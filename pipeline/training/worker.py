@@ -34,7 +34,7 @@ from pipeline.data.feed import Feed, Reading
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.training import parallel, preemption, records
 from pipeline.training.early_stop import EarlyStopping
-from pipeline.training.events import CheckpointRestored, StepTaken, WorkerStarted
+from pipeline.training.events import CheckpointRestored, MicroBatchHalved, StepTaken, WorkerStarted
 from pipeline.training.ledger import Ledger
 from pipeline.training.local_mode import LocalReports
 from pipeline.training.replica import Replica
@@ -148,6 +148,7 @@ def train_loop_per_worker(config: dict) -> None:
                 "rank": rank,
                 "weights_sha256": weights_digest(replica.module),
                 "checkpoint_stall_s": stalled,  # the previous epoch's: this one's is not over yet
+                "micro_batch": replica.micro.size,
                 **where_this_runs(rank),
                 **({"stopped_early": stopped} if stopped else {}),
             }
@@ -225,9 +226,10 @@ def train_epoch(
         if replica.example is None:
             replica.example = batch[features][[0, -1]].cpu()  # two rows: MLflow's export keeps the batch size free
         update = step % accumulate == 0 or step == steps.last  # an optimizer step after this batch
-        with replica.autocast:
-            loss = replica.task.loss(replica.model(replica.scale(batch[features])), batch[labels])
-        replica.backward(loss, accumulate, update)
+        parts = replica.micro.size
+        loss = replica.train_batch(batch[features], batch[labels], accumulate=accumulate, update=update)
+        if progress is not None and replica.micro.size != parts:  # train.micro_batch=auto
+            progress(MicroBatchHalved(epoch=epoch, step=step, was=parts, rows=replica.micro.size))
         ledger.add(batch)
         global_step = epoch * steps.per_epoch + step
         if update:
@@ -279,12 +281,14 @@ def validate(replica: Replica, batches: Iterable[dict], stop: threading.Event | 
         if held_out is not None and sum(map(len, held_out)) < HELD_OUT_ROWS:
             held_out.append(batch[features][:HELD_OUT_ROWS].cpu())
         rows = len(batch[labels])
-        for prefix, applied in weights.items():
-            with applied(), replica.autocast:
-                outputs = model(replica.scale(batch[features]))
-            sums[prefix, "loss"] += task.loss(outputs.float(), batch[labels]).double() * rows
-            for name, value in task.sums(outputs, batch[labels]).items():
-                sums[prefix, name] += value.double()
+        for part in replica.micro.parts(rows):  # train.micro_batch's parts: what fits in training fits here
+            inputs, truth = batch[features][part], batch[labels][part]
+            for prefix, applied in weights.items():
+                with applied(), replica.autocast:
+                    outputs = model(replica.scale(inputs))
+                sums[prefix, "loss"] += task.loss(outputs.float(), truth).double() * len(truth)
+                for name, value in task.sums(outputs, truth).items():
+                    sums[prefix, name] += value.double()
         count += rows
         if stop is not None and stop.is_set():
             break
