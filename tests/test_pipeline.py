@@ -105,9 +105,9 @@ def test_the_run_records_its_overrides_params_and_config(cli_run, data_root):
     assert params["model.hidden_dim"] == "128" and params["train.epochs"] == "4"
     assert params["model._target_"] == "torchvision.models.VisionTransformer"
     assert params["source.train"] == f"{data_root}/cifar10/train"
-    assert {"config.yaml", "model", "learning_curve.png"} <= {
-        a.path for a in cli_run.client.list_artifacts(run.info.run_id)
-    }
+    artifacts = {a.path for a in cli_run.client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "model", "learning_curve.png"} <= artifacts
+    assert "profile" not in artifacts  # train.profile is off by default
     config = OmegaConf.load(cli_run.client.download_artifacts(run.info.run_id, "config.yaml", str(cli_run.root)))
     assert config.model.num_layers == 4 and config.train.epochs == 4
 

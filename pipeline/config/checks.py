@@ -300,6 +300,13 @@ def check_training(train: TrainConfig, metrics: list[str], finetune: FinetuneCon
         f"{train.accumulate}'s earlier ones cannot: set the rows per optimizer step as ingest.batch_size and "
         "train.accumulate=1 (the global batch is the same), or train.micro_batch to a number of rows.",
     )
+    profile = train.profile
+    _require(
+        1 <= profile.epoch <= train.epochs and min(profile.wait, profile.warmup) >= 0 and profile.active >= 1,
+        f"train.profile: epoch must be one of the run's (1 to train.epochs={train.epochs}), wait and warmup >= 0 and "
+        f"active >= 1; got epoch={profile.epoch}, wait={profile.wait}, warmup={profile.warmup}, "
+        f"active={profile.active}.",
+    )
     _require(train.stop_grace_s >= 0, f"train.stop_grace_s must be >= 0, got {train.stop_grace_s}.")
     _require(
         train.ema is None or 0 < train.ema < 1,

@@ -120,6 +120,21 @@ class EarlyStopConfig:
     min_delta: float = 0.0  # smaller improvements do not count
 
 
+@dataclass
+class ProfileConfig:
+    """Where a few training steps' time goes (docs/performance.md, "Where the time went"): torch.profiler on rank 0
+    for ``active`` steps of one epoch, after ``wait`` skipped and ``warmup`` discarded; the trace (Perfetto,
+    TensorBoard) and a table of the operators, and Ray Data's per-operator stats of every epoch, in the run's
+    artifacts under profile/."""
+
+    enabled: bool = False
+    epoch: int = 1  # the epoch profiled (from 1)
+    wait: int = 3  # its first steps, not profiled: the data and the allocator warming up
+    warmup: int = 2  # then profiled and thrown away: the profiler's own start-up
+    active: int = 5  # then recorded
+    row_limit: int = 25  # operators in the table, by their own time
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     epochs: int = 1
@@ -143,6 +158,7 @@ class TrainConfig:
     # optimizer step is not taken; counted per epoch as skipped_steps)
     on_nonfinite: OnNonfinite = OnNonfinite["raise"]
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # the GPU levers (docs/performance.md, "GPU levers": when each pays): torch.compile each worker's model (its
     # first steps compile, for seconds to minutes), with one of torch.compile's modes
     compile: bool = False

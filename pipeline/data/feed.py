@@ -116,6 +116,14 @@ class Feed:
         """Worker ``rank`` of ``world``'s share of the validation split, in its stored order."""
         return self.batches("valid", epoch=epoch, rank=rank, world=world, training=False)
 
+    def stats(self, split: str) -> str:
+        """Ray Data's per-operator stats of ``split``'s last pass (Ray Train's shard): its reads, steps and split,
+        their time and rows; for a split this worker gathers from the cache itself, which Ray Data does not read,
+        a line saying so."""
+        if split in self.reading.indexed:
+            return f"{split}: read from the cache by each worker itself (ingest.cache), without Ray Data's operators\n"
+        return ray.train.get_dataset_shard(split).stats()
+
     def batches(
         self,
         split: str,

@@ -262,6 +262,7 @@ class JobEvents:
         """A report whose ranks :mod:`pipeline.training.relay` checked to agree, rank 0's first."""
         append_record(self.run_dir, "metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": event.ranks})
         self.tracker.epochs.log_epoch(event.ranks[0], event.checkpoint)
+        self.tracker.log_profile()
         self.progress.epoch_done(event.ranks[0])
 
     def checkpoint_restored(self, event: CheckpointRestored) -> None:

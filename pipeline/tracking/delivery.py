@@ -11,6 +11,7 @@ The records, by ``kind``:
 - ``metrics``: ``metrics`` at ``step``, taken at ``timestamp``; ``model`` (the epoch's checkpoint) links
   them to its LoggedModel, ``datasets`` each to the split it was measured on
 - ``tags``: ``tags`` set on the run
+- ``profile``: the files ``train.profile`` wrote in the run's ``storage`` (under ``profile/``) copied to its artifacts
 - ``models``: training ended; the kept checkpoints' LoggedModels get their files, the best is the run's model
 - ``end``: the learning curve drawn, the run ended ``status`` (with ``error``)
 """
@@ -18,8 +19,10 @@ The records, by ``kind``:
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 
+import pyarrow.fs as pafs
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 
@@ -28,6 +31,7 @@ from pipeline.config import PipelineConfig
 from pipeline.runtime import filesystems
 from pipeline.tracking import models
 from pipeline.tracking.mlflow_store import end_run
+from pipeline.training.profile import PROFILE_DIR
 
 
 def metrics_record(
@@ -136,6 +140,13 @@ class Delivery:
         self.models.finish(
             keep, storage.filesystem, record["metric"], record["mode"], record["register_as"], record["alias"]
         )
+
+    def deliver_profile(self, record: dict) -> None:
+        storage = filesystems.run_storage(self.cfg.storage, "", self.run_id, record["storage"])
+        source = f"{storage.path}/{storage.name}/{PROFILE_DIR}"
+        with tempfile.TemporaryDirectory() as local:  # MLflow's client logs local files
+            pafs.copy_files(source, local, source_filesystem=storage.filesystem)
+            self.client.log_artifacts(self.run_id, local, PROFILE_DIR)
 
     def deliver_end(self, record: dict) -> None:
         log_learning_curve(self.client, self.run_id, self.curve_metric)

@@ -146,6 +146,12 @@ class Tracker:
             }
         )
 
+    def log_profile(self) -> None:
+        """With ``train.profile``, after each epoch: what rank 0 wrote in the run's storage under ``profile/`` (the
+        trace, the operators, Ray Data's stats so far) copied to the run's artifacts, overwriting the last copy."""
+        if self.cfg.train.profile.enabled:
+            self.record.write({"kind": "profile", "storage": self.storage.uri})
+
     def model_uri(self) -> str | None:
         """The run's best LoggedModel as a ``models:/`` URI, once the run has ended; None without one."""
         model_id = self.record.client.get_run(self.run_id).data.tags.get(BEST_MODEL_TAG)

@@ -32,7 +32,7 @@ from pipeline.common.metrics import LOSSES
 from pipeline.config import OnNonfinite, PipelineConfig, TaskType
 from pipeline.data.feed import Feed, Reading
 from pipeline.runtime.filesystems import RunStorage
-from pipeline.training import parallel, preemption, records
+from pipeline.training import parallel, preemption, profile, records
 from pipeline.training.early_stop import EarlyStopping
 from pipeline.training.events import CheckpointRestored, MicroBatchHalved, StepTaken, WorkerStarted
 from pipeline.training.ledger import Ledger
@@ -119,6 +119,8 @@ def train_loop_per_worker(config: dict) -> None:
             batches = feed.train(epoch=epoch, **shard) if later else first_batches
             resumed = within if epoch == start else None  # the epoch goes on from a checkpoint within it
             ledger = Ledger(job.train_rows, device, rank, resumed.trained if resumed else None)
+            profiled = cfg.train.profile.enabled and rank == 0  # train.profile: rank 0's steps, every epoch's reads
+            steps_profile = profiled and epoch == cfg.train.profile.epoch - 1
             trained = train_epoch(
                 replica,
                 batches,
@@ -130,10 +132,13 @@ def train_loop_per_worker(config: dict) -> None:
                 checkpoints=checkpoints,
                 resumed=resumed.figures if resumed else None,
                 phases=phases if epoch == start else None,
+                profiler=profile.StepProfile(cfg.train.profile, device, job.storage, epoch) if steps_profile else None,
             )
             if trained is None:  # the command is stopping: the checkpoint is saved
                 return
             telemetry, step = trained
+            if profiled:
+                profile.write(job.storage, f"ray_data_epoch{epoch + 1}.txt", feed.stats("train").encode())
             metrics = telemetry.totals() | ledger.figures() | parallel.memory(replica.model, replica.optimizer)
             valid = feed.valid(epoch=epoch, **shard)
             scores = validate(replica, valid, checkpoints.notice_seen)
@@ -200,6 +205,7 @@ def train_epoch(
     checkpoints: StepCheckpoints,
     resumed: dict | None,
     phases: dict[str, float] | None = None,
+    profiler: profile.StepProfile | None = None,
 ) -> tuple[EpochTelemetry, int] | None:
     """One pass over the worker's training shard (steps ``done + 1`` to ``last``): its figures
     (:class:`pipeline.training.telemetry.EpochTelemetry`, with those of the steps ``resumed`` from) and its last
@@ -207,6 +213,7 @@ def train_epoch(
     step and batch loss once a second, and every ``tracking.log_every_n_steps`` steps for MLflow (``log``, with the
     global step), and with the first step the worker's start-up ``phases`` and its first batch's arrival. After an
     optimizer step, a checkpoint when one is due (``checkpoints``), with the ``ledger`` of the rows trained on.
+    ``profiler`` (``train.profile``'s epoch, rank 0) steps with each batch.
 
     The optimizer steps every ``train.accumulate`` batches and on the epoch's last; should a shard hold
     fewer batches than ``last`` (rows skipped by a transform), what they accumulated after the last step
@@ -220,6 +227,7 @@ def train_epoch(
         telemetry.resume(resumed, checkpoints.rank)
     log_every, accumulate, last_sent = cfg.tracking.log_every_n_steps, cfg.train.accumulate, -math.inf
     step = steps.done  # a resumed epoch may have no batch left: it only validates
+    batches = profiler.around(batches) if profiler is not None else batches
     for step, batch in enumerate(telemetry.timed(batches), start=steps.done + 1):
         if phases is not None:
             phases.setdefault("first_batch", time.time())
