@@ -32,11 +32,17 @@ register()
 
 
 def describe_job(hydra_cfg: DictConfig):
-    """Where this job sits (a :class:`pipeline.jobs.job.Job`), from Hydra's runtime config."""
+    """Where this job sits (a :class:`pipeline.jobs.job.Job`), from Hydra's runtime config; a job that
+    ``hydra/launcher=ray_jobs`` submitted is a single run told its sweep and number by its environment."""
     from pipeline.jobs.job import Job
+    from pipeline.jobs.ray_jobs import SWEEP_DIR_ENV, SWEEP_JOB_ENV
 
     overrides = list(hydra_cfg.overrides.task)
     experiment = experiment_choice(hydra_cfg.runtime.choices)
+    if SWEEP_DIR_ENV in os.environ and hydra_cfg.mode != RunMode.MULTIRUN:
+        job = Job.in_sweep(os.environ[SWEEP_DIR_ENV], int(os.environ[SWEEP_JOB_ENV]), experiment, overrides)
+        job.run_dir, job.started_at = hydra_cfg.runtime.output_dir, pipeline.STARTED_AT
+        return job
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return Job(hydra_cfg.runtime.output_dir, experiment, overrides=overrides, started_at=pipeline.STARTED_AT)
     job = Job.in_sweep(hydra_cfg.sweep.dir, hydra_cfg.job.num, experiment, overrides)
@@ -59,7 +65,7 @@ def main(raw: DictConfig) -> float | None:
     except KeyboardInterrupt:  # Ctrl-C: the job recorded it; a sweep stops here too
         sys.exit(130)
     except Exception as err:
-        if job.sweep_dir is None:
+        if HydraConfig.get().mode != RunMode.MULTIRUN:  # a single run, or a Ray job of a sweep: exit 1
             if isinstance(err, PipelineError):
                 log.error("%s", err)
                 sys.exit(1)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -338,3 +339,118 @@ def runs_of(client: MlflowClient, name: str) -> list:
     """The runs of experiment ``name`` (none while it does not exist yet)."""
     experiment = client.get_experiment_by_name(name)
     return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def launcher(head, project: Path, tracking_server: str, data_root: Path, *args: str) -> subprocess.Popen:
+    """``python -m pipeline -m hydra/launcher=ray_jobs ARGS`` from the project, as a user's shell with the cluster's
+    address and token and the team's server runs it."""
+    env = {
+        **cli_env(data_root),
+        "HOME": head.env["HOME"],
+        "RAY_AUTH_MODE": "token",
+        "RAY_ADDRESS": head.dashboard,
+        "MLFLOW_TRACKING_URI": tracking_server,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "-m", "hydra/launcher=ray_jobs", "+experiment=submitted", *args],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+LIST_JOBS = (
+    "import json, sys; from ray.job_submission import JobSubmissionClient; "
+    "print(json.dumps([[j.metadata, str(j.status.value)] for j in JobSubmissionClient(sys.argv[1]).list_jobs()]))"
+)
+
+
+def sweep_jobs(head, sweep_dir: str) -> dict[int, str]:
+    """The Ray jobs a sweep submitted, by job number: their status on the cluster (asked with the head's token)."""
+    listed = subprocess.run(
+        [sys.executable, "-c", LIST_JOBS, head.dashboard],
+        env={**head.env, "RAY_AUTH_MODE": "token"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    jobs = json.loads(listed.stdout.strip().splitlines()[-1])
+    return {int(meta["job"]): status for meta, status in jobs if (meta or {}).get("sweep") == sweep_dir}
+
+
+def sweep_runs(client: MlflowClient, experiment: str) -> tuple[object, dict[str, object]]:
+    """A sweep's parent run and its children by run name."""
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert len(children) == len(runs) - 1
+    return parent, children
+
+
+def test_each_job_of_a_sweep_is_a_ray_job_and_a_child_run_on_the_server_and_a_failed_one_fails_alone(
+    head, project, tracking_server, data_root, tmp_path
+):
+    """hydra/launcher=ray_jobs against the token cluster: four jobs, two at once; the three good ones SUCCEEDED as Ray
+    jobs and FINISHED as children of one parent on the server; the one whose learning rate AdamW refuses FAILED in
+    both, the sweep went on, and its summary names it and exits 1."""
+    sweep_dir = str(tmp_path / "sweep")
+    storage = f"storage.path={tmp_path / 'checkpoints'}"  # an absolute path: this head's disk
+    args = ["optim.lr=1e-3,3e-3,1e-2,-1", storage, "tracking.experiment_name=ray_jobs", "tracking.register_as=null"]
+    sweep = launcher(
+        head,
+        project,
+        tracking_server,
+        data_root,
+        *args,
+        "hydra.launcher.max_concurrent=2",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    output, _ = sweep.communicate(timeout=900)
+    assert sweep.returncode == 1, output[-4000:]  # one job failed
+    assert sweep_jobs(head, sweep_dir) == {0: "SUCCEEDED", 1: "SUCCEEDED", 2: "SUCCEEDED", 3: "FAILED"}, output[-4000:]
+    parent, children = sweep_runs(MlflowClient(tracking_server), "ray_jobs")
+    jobs = {name.split(":")[0]: run for name, run in children.items()}  # job N: its overrides
+    statuses = {name: run.info.status for name, run in jobs.items()}
+    assert statuses == {"job 0": "FINISHED", "job 1": "FINISHED", "job 2": "FINISHED", "job 3": "FAILED"}, (
+        output[-4000:],
+        {name: run.data.tags.get("pipeline.error") for name, run in jobs.items()},
+    )
+    assert sorted(float(run.data.params["optim.lr"]) for run in jobs.values()) == [-1, 1e-3, 3e-3, 1e-2]
+    assert "Invalid learning rate" in jobs["job 3"].data.tags["pipeline.error"]
+    assert parent.info.status == "FAILED" and parent.data.tags["pipeline.sweep_dir"] == sweep_dir
+    assert parent.data.tags["pipeline.best_run_id"] in {r.info.run_id for r in children.values()}
+    assert "4 jobs, 1 failed" in output
+
+
+def test_ctrl_c_on_a_ray_jobs_sweep_stops_the_jobs_it_submitted_and_their_runs(
+    head, project, tracking_server, data_root, tmp_path
+):
+    """Ctrl-C while two jobs of a sweep train on the cluster: both Ray jobs STOPPED, their runs KILLED (each job's
+    driver took Ray's SIGTERM as a stop), the sweep's parent KILLED, the command exits 130."""
+    sweep_dir = str(tmp_path / "sweep")
+    storage = f"storage.path={tmp_path / 'checkpoints'}"
+    args = ["optim.lr=1e-3,3e-3", storage, "tracking.experiment_name=stopped_sweep", "tracking.register_as=null"]
+    sweep = launcher(
+        head, project, tracking_server, data_root, *args, "train.epochs=100", f"hydra.sweep.dir={sweep_dir}"
+    )
+    client, deadline = MlflowClient(tracking_server), time.monotonic() + 300
+    try:
+        while True:  # until both jobs' runs train: each has logged its first epoch
+            experiment = client.get_experiment_by_name("stopped_sweep")
+            runs = client.search_runs([experiment.experiment_id]) if experiment else []
+            if sum("val_loss" in r.data.metrics for r in runs) == 2:
+                break
+            assert time.monotonic() < deadline and sweep.poll() is None, sweep.communicate()[0][-3000:]
+            time.sleep(1)
+        sweep.send_signal(signal.SIGINT)
+        output, _ = sweep.communicate(timeout=180)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 130, output[-4000:]
+    assert sweep_jobs(head, sweep_dir) == {0: "STOPPED", 1: "STOPPED"}, output[-4000:]
+    parent, children = sweep_runs(client, "stopped_sweep")
+    assert [run.info.status for run in children.values()] == ["KILLED", "KILLED"]
+    assert parent.info.status == "KILLED"
+    assert "Traceback" not in output, output[-4000:]

@@ -429,6 +429,54 @@ def test_mlflows_system_metrics_monitor_logs_into_a_run_the_client_api_made(tmp_
     assert "system/cpu_utilization_percentage" in logged and "system/system_memory_usage_megabytes" in logged
 
 
+def test_mlflows_sql_store_fails_two_runs_logging_one_new_dataset_at_once_and_the_workaround_links_both(tmp_path):
+    """MLflow 3.17: eight runs logging the same new dataset at once, some fail on its unique key (the store looks it
+    up, then inserts); :func:`log_inputs` links it to every run. When MLflow makes the insert safe, the first half
+    fails: the workaround can go."""
+    import json
+    import threading
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Dataset, DatasetInput
+
+    from pipeline.common.workarounds import log_inputs
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("race")
+
+    def race(log, name: str) -> tuple[list[str], list[str]]:
+        runs, errors = [client.create_run(experiment).info.run_id for _ in range(8)], []
+        dataset = DatasetInput(Dataset(name=name, digest="d", source_type="local", source=json.dumps({"uri": name})))
+        barrier = threading.Barrier(len(runs))
+
+        def one(run_id: str) -> None:
+            barrier.wait()
+            try:
+                log(run_id, [dataset])
+            except Exception as err:
+                errors.append(str(err))
+
+        threads = [threading.Thread(target=one, args=(run_id,)) for run_id in runs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return runs, errors
+
+    lost = []
+    for attempt in range(20):  # the race is lost within a few rounds on two cores
+        lost += race(lambda run_id, inputs: client.log_inputs(run_id, datasets=inputs), f"plain{attempt}")[1]
+        if lost:
+            break
+    assert lost and all("UNIQUE constraint failed" in error for error in lost)
+    for attempt in range(5):
+        runs, errors = race(lambda run_id, inputs: log_inputs(client, run_id, inputs), f"worked{attempt}")
+        assert errors == []
+        assert all(
+            [i.dataset.name for i in client.get_run(r).inputs.dataset_inputs] == [f"worked{attempt}"] for r in runs
+        )
+
+
 MANY_IDLE_ACTORS = """
 import os, time
 import ray

@@ -63,6 +63,23 @@ def system_metrics_monitor(run_id: str, interval_s: float, resume: bool, trackin
     return monitor
 
 
+def log_inputs(client, run_id: str, datasets: list) -> None:
+    """``client.log_inputs``, once more when it lost a race to create the same dataset.
+
+    MLflow 3.17's SQL store looks a dataset up, then inserts it when missing: two runs logging the same new
+    dataset at once (a sweep's jobs starting together on a team's server) can both miss it, and the later insert
+    fails on the unique key (PostgreSQL's UniqueViolation, SQLite's UNIQUE constraint). The dataset exists by
+    then, so the second call links it. Canary: tests/test_ray_canaries.py races eight runs."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.log_inputs(run_id, datasets=datasets)
+    except MlflowException as err:
+        if not any(text in str(err) for text in ("UniqueViolation", "UNIQUE constraint failed", "Duplicate entry")):
+            raise
+        client.log_inputs(run_id, datasets=datasets)
+
+
 def import_mlflow_pytorch():
     """``mlflow.pytorch``, imported without its side effect on logging.
 

@@ -13,6 +13,7 @@ from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import Array, Object, Property
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+from pipeline.common import workarounds
 from pipeline.common.errors import redact
 
 STATISTICS_ARTIFACT = "feature_statistics.json"  # with ingest.standardize: the mean and std predict applies
@@ -35,7 +36,7 @@ def log_data(client: MlflowClient, run_id: str, splits: dict, statistics: dict |
         )
         context = InputTag(MLFLOW_DATASET_CONTEXT, {"train": "training", "valid": "validation"}.get(name, name))
         inputs.append(DatasetInput(dataset, [context]))
-    client.log_inputs(run_id, datasets=inputs)
+    workarounds.log_inputs(client, run_id, inputs)  # MLflow 3.17's race between runs logging one dataset
     if statistics is not None:
         client.log_dict(run_id, statistics, STATISTICS_ARTIFACT)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, configure_log
 from hydra.errors import ConfigCompositionException
 from hydra.experimental.callback import Callback
+from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -38,6 +39,35 @@ class PipelineLauncher(BasicLauncher):
             except (ConfigCompositionException, OmegaConfBaseException) as err:
                 runs.append(sweep.record_uncomposable(self.config, list(overrides), initial_job_idx + offset, err))
         return runs
+
+
+class RayJobsLauncher(Launcher):
+    """``hydra/launcher=ray_jobs``: each job a Ray job on the cluster at ``RAY_ADDRESS``
+    (:mod:`pipeline.jobs.ray_jobs`); its settings are ``hydra.launcher.*`` (conf/hydra/launcher/ray_jobs.yaml)."""
+
+    def __init__(self, **settings) -> None:
+        self.settings = settings
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+
+    def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
+        from pipeline.common import signals
+        from pipeline.common.errors import PipelineError
+        from pipeline.jobs import ray_jobs  # Ray's and MLflow's imports, only when a sweep launches
+
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        signals.install()  # Ctrl-C and SIGTERM stop the submitted jobs first
+        settings = ray_jobs.Settings(**self.settings)
+        try:
+            return ray_jobs.launch(
+                self.config, self.hydra_context.config_loader, job_overrides, initial_job_idx, settings
+            )
+        except PipelineError as err:
+            logging.getLogger("pipeline").error("%s", err)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
 
 
 class PipelineSweeper(BasicSweeper):
