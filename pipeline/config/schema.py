@@ -120,7 +120,7 @@ class EarlyStopConfig:
     min_delta: float = 0.0  # smaller improvements do not count
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProfileConfig:
     """Where a few training steps' time goes (docs/performance.md, "Where the time went"): torch.profiler on rank 0
     for ``active`` steps of one epoch, after ``wait`` skipped and ``warmup`` discarded; the trace (Perfetto,

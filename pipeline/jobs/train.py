@@ -40,15 +40,7 @@ from pipeline.runtime import filesystems, lifeline
 from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking import mlflow_store
 from pipeline.tracking.tracker import Tracker
-from pipeline.training import finetune, task, trainer
-from pipeline.training.events import (
-    CheckpointRestored,
-    EpochReported,
-    MicroBatchHalved,
-    StepCheckpointed,
-    StepTaken,
-    WorkerStarted,
-)
+from pipeline.training import events, finetune, task, trainer
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +119,10 @@ class TrainingJob:
         cfg, tracker = self.cfg, self.tracker
         reporter = report_cache(data, tracker)
         progress = console.Progress(cfg.train.epochs, trainer.epoch_steps(cfg, data), cfg.tracking.data_wait_warning)
-        events = JobEvents(tracker, self.job, progress, self.hint)
+        handler = JobEvents(tracker, self.job, progress, self.hint)
         with lifeline.watched(lambda what: ray_lost(tracker, what)), progress:
             self.job.startup.mark("fit")
-            result = trainer.fit(cfg, data, storage, events, self.initial)
+            result = trainer.fit(cfg, data, storage, handler, self.initial)
         reporter.join()  # training read every row, so the cache is built: its figures land before the run ends
         reads = data.reads()
         if reads is not None:
@@ -244,7 +236,7 @@ class JobEvents:
     def __init__(self, tracker: Tracker, job: Job, progress: console.Progress, hint: ResumeHint):
         self.tracker, self.run_dir, self.progress, self.job, self.hint = tracker, job.run_dir, progress, job, hint
 
-    def step_taken(self, event: StepTaken) -> None:
+    def step_taken(self, event: events.StepTaken) -> None:
         startup = self.job.startup
         if event.phases is not None and "first_step" not in startup.at:  # the job's first worker group's
             for phase, at in {**event.phases, "first_step": event.at}.items():
@@ -255,17 +247,17 @@ class JobEvents:
             self.tracker.epochs.log_step_loss(event.loss, event.global_step, event.at)
         self.progress.update(event.epoch, event.step, event.loss)
 
-    def worker_started(self, event: WorkerStarted) -> None:
+    def worker_started(self, event: events.WorkerStarted) -> None:
         append_record(self.run_dir, "workers.jsonl", asdict(event))
 
-    def epoch_reported(self, event: EpochReported) -> None:
+    def epoch_reported(self, event: events.EpochReported) -> None:
         """A report whose ranks :mod:`pipeline.training.relay` checked to agree, rank 0's first."""
         append_record(self.run_dir, "metrics.jsonl", {"checkpoint": event.checkpoint, "ranks": event.ranks})
         self.tracker.epochs.log_epoch(event.ranks[0], event.checkpoint)
         self.tracker.log_profile()
         self.progress.epoch_done(event.ranks[0])
 
-    def checkpoint_restored(self, event: CheckpointRestored) -> None:
+    def checkpoint_restored(self, event: events.CheckpointRestored) -> None:
         # the workers restore from the newest whole checkpoint in storage, dropping the records of what it abandons:
         # the epochs before it whose reports never came (an earlier attempt's too) are logged now
         for path, metrics in self.tracker.epochs.reconcile(self.tracker.storage):
@@ -273,11 +265,11 @@ class JobEvents:
         self.tracker.epochs.log_restore(event.epoch, event.global_step)
         self.progress.restored(event.epoch, event.workers, event.step)
 
-    def step_checkpointed(self, event: StepCheckpointed) -> None:
+    def step_checkpointed(self, event: events.StepCheckpointed) -> None:
         self.tracker.epochs.log_step_checkpoint(event.global_step)
         log.info("checkpointed at epoch %d, step %d: %s", event.epoch + 1, event.step, event.why)
 
-    def micro_batch_halved(self, event: MicroBatchHalved) -> None:
+    def micro_batch_halved(self, event: events.MicroBatchHalved) -> None:
         log.warning(
             "train.micro_batch=auto: out of memory with %d rows per forward at epoch %d, step %d; %d from now on "
             "(the batch and its optimizer step unchanged)",
