@@ -38,6 +38,8 @@ REST = (
     "notice.py",
     "levers.py",
     "preemption.py",
+    "micro_batch.py",
+    "profiling.py",
 )
 MARKERS = ("<!-- figures: written by bench/all.py from docs/figures.json -->", "<!-- /figures -->")
 EARLIER_GPU = (
