@@ -341,16 +341,20 @@ def runs_of(client: MlflowClient, name: str) -> list:
     return client.search_runs([experiment.experiment_id]) if experiment else []
 
 
-def launcher(head, project: Path, tracking_server: str, data_root: Path, *args: str) -> subprocess.Popen:
+def launcher(
+    head, project: Path, tracking_server: str, data_root: Path, *args: str, token: bool = True
+) -> subprocess.Popen:
     """``python -m pipeline -m hydra/launcher=ray_jobs ARGS`` from the project, as a user's shell with the cluster's
-    address and token and the team's server runs it."""
+    address and token (sent with ``token``) and the team's server runs it."""
     env = {
         **cli_env(data_root),
         "HOME": head.env["HOME"],
-        "RAY_AUTH_MODE": "token",
         "RAY_ADDRESS": head.dashboard,
         "MLFLOW_TRACKING_URI": tracking_server,
     }
+    env.pop("RAY_AUTH_MODE", None)  # a local ray.init() in this process may have set it
+    if token:
+        env["RAY_AUTH_MODE"] = "token"
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline", "-m", "hydra/launcher=ray_jobs", "+experiment=submitted", *args],
         cwd=project,
@@ -454,3 +458,20 @@ def test_ctrl_c_on_a_ray_jobs_sweep_stops_the_jobs_it_submitted_and_their_runs(
     assert [run.info.status for run in children.values()] == ["KILLED", "KILLED"]
     assert parent.info.status == "KILLED"
     assert "Traceback" not in output, output[-4000:]
+
+
+def test_a_ray_jobs_sweep_without_the_token_mode_is_one_paragraph_and_leaves_no_run(
+    head, project, tracking_server, data_root, tmp_path
+):
+    """The launcher asked the token cluster's Jobs API without RAY_AUTH_MODE=token: one paragraph naming the fix, exit
+    1, no job submitted and no parent run left behind on the server."""
+    sweep_dir = str(tmp_path / "sweep")
+    args = ["optim.lr=1e-3,3e-3", "tracking.experiment_name=refused", f"hydra.sweep.dir={sweep_dir}"]
+    sweep = launcher(head, project, tracking_server, data_root, *args, token=False)
+    output, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 1, output[-4000:]
+    assert "the cluster's Jobs API at http://127.0.0.1" in output and "Export RAY_AUTH_MODE=token" in output
+    assert "Traceback" not in output, output[-4000:]
+    assert sweep_jobs(head, sweep_dir) == {}
+    experiment = MlflowClient(tracking_server).get_experiment_by_name("refused")
+    assert experiment is None or MlflowClient(tracking_server).search_runs([experiment.experiment_id]) == []

@@ -20,7 +20,8 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.common.errors import PipelineError
+from pipeline.common import workarounds
+from pipeline.common.errors import PipelineError, redact
 from pipeline.config import experiment_choice
 from pipeline.jobs import sweep
 from pipeline.runtime.filesystems import local_store
@@ -61,10 +62,10 @@ def launch(config: DictConfig, loader, job_overrides, first: int, settings: Sett
     if settings.max_concurrent < 1:
         raise PipelineError(f"hydra.launcher.max_concurrent must be >= 1, got {settings.max_concurrent}.")
     store = team_store(config)
+    client = jobs_api(JobSubmissionClient, settings.address)  # before the parent run: a refusal leaves no run
     sweep_dir = os.path.abspath(config.hydra.sweep.dir)
     os.makedirs(sweep_dir, exist_ok=True)
     parent = store.sweep_parent(sweep_dir)  # made here, once, before jobs race to make it
-    client = JobSubmissionClient(settings.address)
     queue, running, ended = [], [], []
     for offset, overrides in enumerate(job_overrides):
         number, overrides = first + offset, list(overrides)
@@ -84,9 +85,11 @@ def launch(config: DictConfig, loader, job_overrides, first: int, settings: Sett
                 if job.status in ENDED:
                     running.remove(job)
                     ended.append((job.number, finished(client, config, store, parent, job)))
-    except BaseException:  # Ctrl-C, SIGTERM (pipeline.common.signals), a lost cluster: stop what runs, then go
+    except BaseException as err:  # Ctrl-C, SIGTERM (pipeline.common.signals), a lost cluster: stop what runs, then go
         stop_all(client, running)
-        mlflow_store.end_run(store.client, parent, "KILLED")
+        stopped = isinstance(err, (KeyboardInterrupt, SystemExit))
+        error = None if stopped else redact(mlflow_store.error_text(err))
+        mlflow_store.end_run(store.client, parent, "KILLED" if stopped else "FAILED", error)
         raise
     return [result for _, result in sorted(ended, key=lambda pair: pair[0])]
 
@@ -101,6 +104,23 @@ def team_store(config: DictConfig) -> mlflow_store.Store:
         )
     experiment = experiment_choice(config.hydra.runtime.choices)
     return mlflow_store.Store.open(config.tracking, config.paths.outputs, experiment, create=True)
+
+
+def jobs_api(client_class, address: str | None):
+    """Ray's Jobs API at ``address``, or one paragraph saying why not (a token refused, nothing answering)."""
+    try:
+        return client_class(address)
+    except Exception as err:
+        if workarounds.refused_token(err):
+            raise PipelineError(
+                f"hydra/launcher=ray_jobs: the cluster's Jobs API at {address} refused this process: it sent no "
+                "token or the wrong one. Export RAY_AUTH_MODE=token with the cluster's token in ~/.ray/auth_token "
+                "(or RAY_AUTH_TOKEN), as for `ray job submit` (docs/cluster.md)."
+            ) from None
+        raise PipelineError(
+            f"hydra/launcher=ray_jobs: cannot reach a Ray cluster's Jobs API at {address!r} ({err}). Set RAY_ADDRESS "
+            "(or hydra.launcher.address) to the head's dashboard, http://HEAD:8265, and check it is up."
+        ) from err
 
 
 def submit(client, config: DictConfig, sweep_dir: str, number: int, overrides: list[str], settings: Settings):
@@ -156,3 +176,5 @@ def stop_all(client, running: list[Submitted], wait_s: float = 60.0) -> None:
     while running and time.monotonic() < deadline:
         running = [job for job in running if str(client.get_job_status(job.id).value) not in ENDED]
         time.sleep(1)
+    for job in running:
+        log.warning("job %d: Ray job %s had not stopped after %.0f s", job.number, job.id, wait_s)
