@@ -2,7 +2,8 @@
 and checked (:mod:`.checks`), and its pluggable ``_target_`` parts (:mod:`.targets`). Imports no stage of the
 pipeline: every stage imports it."""
 
-from pipeline.config.checks import check_overrides, check_targets, check_values, closest, load, logged, validate
+from pipeline.config.checks import check_targets, check_values, closest, load, logged, validate
+from pipeline.config.command_line import check_overrides
 from pipeline.config.hydra_store import experiment_choice, register
 from pipeline.config.layout import Layout
 from pipeline.config.schema import (
