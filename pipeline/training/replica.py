@@ -129,7 +129,7 @@ class Replica:
         ``auto`` the parts run on the model without DDP's wrapper: the gradients' all-reduce is ``agreed``'s."""
         rows, parts = len(labels), self.micro.parts(len(labels))
         model = self.module if self.micro.auto else self.model
-        total = torch.zeros((), device=labels.device)
+        losses = []  # each part's mean loss, detached, and its rows
         try:
             for index, part in enumerate(parts):
                 synced = update and index == len(parts) - 1 and not self.micro.auto
@@ -138,12 +138,14 @@ class Replica:
                         loss = self.task.loss(model(self.scale(features[part])), labels[part])
                     share = len(labels[part]) / rows / accumulate  # of the optimizer step's mean loss
                     self.scaler.scale(loss * share).backward()
-                total += loss.detach().float() * len(labels[part])
+                losses.append((loss.detach(), len(labels[part])))
         except RuntimeError as error:
             if not (self.micro.auto and out_of_memory(error)):
                 raise
             return None  # the traceback, and the failed part's tensors with it, are released here
-        return total / rows
+        if len(losses) == 1:  # the whole batch in one part (the default): its loss as it is, no extra kernel
+            return losses[0][0]
+        return sum(loss.float() * count for loss, count in losses) / rows
 
     def step(self) -> bool:
         """The optimizer step on the accumulated gradients, their norm clipped to ``train.grad_clip``. With
