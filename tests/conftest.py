@@ -179,6 +179,36 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+# ``python -m pipeline`` with what the machine gives it changed in its own process only: /proc unreadable to the
+# liveness code (standing in for macOS and Windows), the wall clock skewed, the driver's heartbeat faster.
+STAND_IN = """
+import runpy, sys, time
+no_proc, skew, beat_s = sys.argv[1:4]
+if float(skew):  # before anything imports time.time; Ray pickles it by value: no reference to the builtin
+    time.time = lambda: time.clock_gettime(time.CLOCK_REALTIME) + float(skew)
+from pipeline.tracking import heartbeat, liveness
+if no_proc == "1":
+    liveness.PROC = "/nonexistent/proc"
+if float(beat_s):
+    heartbeat.BEAT_S = float(beat_s)
+sys.argv[:] = ["pipeline", *sys.argv[4:]]
+runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+"""
+
+
+def stand_in_command(args: list[str], *, no_proc: bool = False, skew_s: float = 0.0, beat_s: float = 0.0) -> list[str]:
+    """The command line of ``python -m pipeline ARGS`` under :data:`STAND_IN`."""
+    return [sys.executable, "-c", STAND_IN, "1" if no_proc else "0", str(skew_s), str(beat_s), *args]
+
+
+def stepped_clock(monkeypatch, seconds: float) -> None:
+    """This process's wall clock stepped by ``seconds``, as NTP or a resumed VM steps it: ``time.time`` and the boot
+    time the kernel derives from it (which psutil adds to a process's start)."""
+    wall, boot = time.time, psutil._psplatform.boot_time
+    monkeypatch.setattr(time, "time", lambda: wall() + seconds)
+    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: boot() + seconds)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from conftest import capture_warnings, compose_cfg
+from conftest import capture_warnings, compose_cfg, stepped_clock
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException, RestException
 
@@ -305,23 +307,28 @@ def test_a_stop_is_in_mlflow_before_the_spools_backlog(tmp_path):
 def a_driver(uri: str, experiment: str, name: str) -> tuple[subprocess.Popen, str]:
     """A process that creates a run as a driver does (tagged with itself), then waits: killed, it ends nothing."""
     code = (
-        "import sys, time; from mlflow import MlflowClient; from pipeline.tracking import mlflow_store as m; "
+        "import sys, time; from mlflow import MlflowClient; from pipeline.tracking import liveness as l; "
         "c = MlflowClient(sys.argv[1]); "
-        "print(c.create_run(sys.argv[2], run_name=sys.argv[3], tags={m.DRIVER_TAG: m.this_driver(), "
-        "m.STORAGE_TAG: '/ckpt', m.OVERRIDES_TAG: '+experiment=smoke'}).info.run_id, flush=True); time.sleep(600)"
+        "print(c.create_run(sys.argv[2], run_name=sys.argv[3], tags={l.DRIVER_TAG: l.this_driver(), "
+        "'pipeline.storage': '/ckpt', 'pipeline.overrides': '+experiment=smoke'}).info.run_id, flush=True); "
+        "time.sleep(600)"
     )
     process = subprocess.Popen([sys.executable, "-c", code, uri, experiment, name], stdout=subprocess.PIPE, text=True)
     return process, process.stdout.readline().strip()
 
 
+@pytest.mark.parametrize("proc", ["readable", "unreadable"])
 def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_ones_is_not(
-    tmp_path, caplog, monkeypatch
+    tmp_path, caplog, monkeypatch, proc
 ):
     """A driver SIGKILLed leaves its run RUNNING; the next command on the store (any experiment) ends it KILLED,
-    says why and how to continue it. A live driver's run, another machine's, one whose pid now names another
-    process, and one no driver of ours holds: the first, second and last stay RUNNING, and the live one cannot be
-    resumed from here."""
+    says why and how to continue it, whatever the clock does (stepped 20 minutes here). A live driver's run, another
+    machine's (another boot of a host of the same name), one whose pid now names another process, and one no driver
+    holds: the first, second and last stay RUNNING, and the live one cannot be resumed. Where /proc cannot be read
+    (standing in for macOS and Windows), nothing is ended, that is said once, and a resume of the killed run is
+    refused with how to end it: nothing is written."""
     from pipeline.common.errors import PipelineError
+    from pipeline.tracking import liveness
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -331,103 +338,73 @@ def test_a_run_whose_driver_was_killed_is_ended_by_the_next_command_and_a_live_o
     try:
         killed.kill()
         killed.wait(timeout=30)
-        machine, pid, started = mlflow_store.this_driver().rsplit(":", 2)
+        where, pid, started = liveness.this_driver().rsplit(":", 2)
+        host, machine = where.split("#")
+        boot, namespace = machine.split("/")
         others = {
-            "elsewhere": f"other-host#1:{killed.pid}:{started}",  # the same pid, another machine: not ours to judge
-            "reused": f"{machine}:{pid}:{float(started) - 100:.2f}",  # this pid, but a process started before it
+            # the same pid and name, another boot (or host): not ours to judge
+            "elsewhere": f"{host}#{boot[::-1]}/{namespace}:{killed.pid}:{started}",
+            "reused": f"{where}:{pid}:{int(started) - 100}",  # this pid, but a process started before it
             "untagged": None,
         }
         ids = {
-            name: client.create_run(
-                first, run_name=name, tags={mlflow_store.DRIVER_TAG: tag} if tag else {}
-            ).info.run_id
+            name: client.create_run(first, run_name=name, tags={liveness.DRIVER_TAG: tag} if tag else {}).info.run_id
             for name, tag in others.items()
         }
         assert client.get_run(killed_id).info.status == "RUNNING"
+        stepped_clock(monkeypatch, 1200)
+        if proc == "unreadable":
+            monkeypatch.setattr(liveness, "PROC", str(tmp_path / "no-proc"))
+            monkeypatch.setattr(liveness, "_said", False)
+            assert liveness.this_driver() == f"{host}#?:{os.getpid()}:?"  # the tag a driver writes there
 
-        capture_warnings(caplog, monkeypatch, "pipeline.tracking.mlflow_store")  # whatever tests before left of logging
+        capture_warnings(caplog, monkeypatch, "pipeline.tracking")  # whatever tests before left of logging
+        caplog.set_level(logging.INFO, logger="pipeline.tracking.liveness")
         ended = mlflow_store.end_orphans(client)
+        statuses = {name: client.get_run(run_id).info.status for name, run_id in {**ids, "live": live_id}.items()}
+        store = mlflow_store.Store(client, uri, "a", first)
+
+        if proc == "unreadable":
+            said = caplog.text.count("whose driver this command cannot judge are left as they are")
+            assert ended == [] and mlflow_store.end_orphans(client) == []
+            assert set(statuses.values()) == {"RUNNING"} and client.get_run(killed_id).info.status == "RUNNING"
+            assert said > 0 and caplog.text.count("cannot judge are left") == said, caplog.text  # said once
+            assert "this machine cannot read its process table (no /proc: macOS, Windows)" in caplog.text
+            before = client.get_run(killed_id)
+            with pytest.raises(PipelineError) as refused:
+                mlflow_store.reopen_run(store, "killed")
+            paragraph = str(refused.value)
+            assert f"cannot tell whether its driver lives: its driver (pid {killed.pid} on {host})" in paragraph
+            assert f"MlflowClient('{uri}').set_terminated('{killed_id}', 'KILLED')" in paragraph
+            after = client.get_run(killed_id)
+            assert (after.info.status, after.data.tags, after.data.metrics) == (
+                before.info.status,
+                before.data.tags,
+                before.data.metrics,
+            )
+            client.set_terminated(killed_id, "KILLED")  # as the paragraph says: then the resume goes on
+            assert mlflow_store.reopen_run(store, "killed") == (killed_id, "/ckpt")
+            return
 
         assert sorted(ended) == sorted([killed_id, ids["reused"]])
         gone = client.get_run(killed_id)
         assert gone.info.status == "KILLED"
-        assert f"its driver (pid {killed.pid} on " in gone.data.tags[mlflow_store.ERROR_TAG]
+        assert f"driver gone: its driver (pid {killed.pid} on {host}) ended" in gone.data.tags[mlflow_store.ERROR_TAG]
         assert (
             f"MLflow run 'killed' ({killed_id}) was left RUNNING" in caplog.text
             and "Continue it with: python -m pipeline +experiment=smoke train.resume=true tracking.run_name=killed"
             in caplog.text
         )
-        assert live.poll() is None and client.get_run(live_id).info.status == "RUNNING"
-        assert {name: client.get_run(ids[name]).info.status for name in ("elsewhere", "untagged")} == {
-            "elsewhere": "RUNNING",
-            "untagged": "RUNNING",
-        }
+        assert live.poll() is None
+        assert {name: statuses[name] for name in ("live", "elsewhere", "untagged")} == dict.fromkeys(
+            ("live", "elsewhere", "untagged"), "RUNNING"
+        )
         assert mlflow_store.end_orphans(client) == []  # once
-        store = mlflow_store.Store(client, uri, "b", second)
         with pytest.raises(
-            PipelineError, match=rf"run 'live' \({live_id}\) is still running: its driver, pid {live.pid}"
+            PipelineError, match=rf"run 'live' \({live_id}\) is still running: its driver, pid {live.pid} on {host}"
         ):
-            mlflow_store.reopen_run(store, "live")  # two drivers would write one run
+            mlflow_store.reopen_run(mlflow_store.Store(client, uri, "b", second), "live")  # two drivers, one run
     finally:
         for process in (killed, live):
             process.kill()
             process.wait(timeout=30)
-
-
-def test_a_run_whose_driver_elsewhere_stopped_beating_is_ended_and_a_beating_one_is_not(tmp_path, caplog, monkeypatch):
-    """On a team's server a driver on another machine cannot be looked at: its heartbeat can. Silent for longer
-    than STALE_S, its run is ended KILLED by the next command, saying since when; beating, or never beaten (not
-    ours to judge), it stays RUNNING."""
-    import time
-
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    experiment = client.create_experiment("e", artifact_location=(tmp_path / "e").as_uri())
-    beats = {"silent": time.time() - mlflow_store.STALE_S - 120, "beating": time.time() - 60, "never": None}
-    ids = {}
-    for name, beat in beats.items():
-        tags = {mlflow_store.DRIVER_TAG: "other-host#1:4242:1700000000.00", mlflow_store.STORAGE_TAG: "s3://r/x"}
-        tags |= {mlflow_store.HEARTBEAT_TAG: f"{beat:.0f}"} if beat else {}
-        ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
-
-    capture_warnings(caplog, monkeypatch, "pipeline.tracking.mlflow_store")
-    assert mlflow_store.end_orphans(client) == [ids["silent"]]
-    silent = client.get_run(ids["silent"])
-    assert silent.info.status == "KILLED"
-    assert "its driver (pid 4242 on other-host#1) has not beaten for 17 min" in silent.data.tags[mlflow_store.ERROR_TAG]
-    assert "Continue it with: python -m pipeline train.resume=true tracking.run_name=silent" in caplog.text
-    assert [client.get_run(ids[name]).info.status for name in ("beating", "never")] == ["RUNNING", "RUNNING"]
-
-
-def test_a_driver_beats_and_takes_back_its_run_from_a_command_that_took_it_for_gone(tmp_path, monkeypatch):
-    """The heartbeat advances while the run lives; a run another command ended KILLED while this driver was cut
-    off is RUNNING again at the next beat, without the other's error; once stopped (the run ending), no more."""
-    import time
-
-    from pipeline.tracking import heartbeat
-
-    monkeypatch.setattr(heartbeat, "BEAT_S", 0.1)
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = client.create_run(client.create_experiment("e", (tmp_path / "e").as_uri())).info.run_id
-
-    def beat() -> float:
-        return float(client.get_run(run_id).data.tags.get(mlflow_store.HEARTBEAT_TAG, 0))
-
-    def until(done, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not done():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
-
-    beating = heartbeat.Heartbeat(client, run_id)
-    until(lambda: beat() > 0, "no first beat")
-    first = beat()
-    until(lambda: beat() > first, "the beat did not advance")
-    mlflow_store.end_run(client, run_id, "KILLED", "driver gone: taken for gone")
-    until(lambda: client.get_run(run_id).info.status == "RUNNING", "the run was not taken back")
-    assert mlflow_store.ERROR_TAG not in client.get_run(run_id).data.tags
-    beating.stop()
-    time.sleep(0.3)  # a beat in flight lands
-    last = beat()
-    mlflow_store.end_run(client, run_id, "FINISHED")
-    time.sleep(1.5)  # past 10 beats
-    assert beat() == last and client.get_run(run_id).info.status == "FINISHED"

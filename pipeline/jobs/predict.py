@@ -45,7 +45,7 @@ from pipeline.data import preprocess, source, steps
 from pipeline.jobs.job import JobResult
 from pipeline.runtime import checks, cluster
 from pipeline.runtime.filesystems import locate
-from pipeline.tracking import delivery, lineage, mlflow_store, models, run_config, scores, tracker
+from pipeline.tracking import delivery, lineage, liveness, mlflow_store, models, run_config, scores, tracker
 from pipeline.training.checkpoint import handed_on, is_checkpoint
 from pipeline.training.checkpoint import load as load_state
 from pipeline.training.precision import autocast_settings
@@ -311,7 +311,7 @@ def run(cfg: PipelineConfig, job) -> JobResult:
         store = mlflow_store.Store.open(cfg.tracking, cfg.paths.outputs, job.experiment)
     name = cfg.tracking.run_name or f"{cfg.stage}: {model_run.info.run_name if model_run else predict.checkpoint}"
     parent = model_run.info.run_id if model_run else None
-    tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output, mlflow_store.DRIVER_TAG: mlflow_store.this_driver()}
+    tags = {STAGE_TAG: cfg.stage, PREDICTIONS_TAG: output, liveness.DRIVER_TAG: liveness.this_driver()}
     run_id = tracker.Tracker.start(store, cfg, job, name, parent, tags).run_id
     lineage.log_data(client, run_id, {"prediction": split}, None)
     model_id = scored_model(client, model_run, predict) if model_run else None

@@ -283,7 +283,7 @@ class JobEvents:
         """How to continue said, and the stop recorded, while the workers save: ray job stop's SIGKILL may come
         while the checkpoint is awaited."""
         self.hint.say()
-        self.tracker.record.stop_first("KILLED", error)
+        self.tracker.stop_first(error)
 
     def close(self) -> None:
         self.progress.close()

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import requests
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
@@ -27,6 +24,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 from pipeline.common.errors import PipelineError, redact
 from pipeline.config import TrackingConfig
 from pipeline.runtime.filesystems import local_store
+from pipeline.tracking.liveness import DRIVER_TAG, ORPHAN, STALE_S, judge, say_undecided, server_time, this_driver
 
 CODE_DIR = str(Path(__file__).resolve().parent)
 SERVER_TIMEOUT_S = 5.0
@@ -35,9 +33,6 @@ SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
 ERROR_TAG = "pipeline.error"
 STORAGE_TAG = "pipeline.storage"  # where Ray Train keeps this run's checkpoints
-DRIVER_TAG = "pipeline.driver"  # machine:pid:start time of the process that holds the run RUNNING and ends it
-HEARTBEAT_TAG = "pipeline.heartbeat"  # on a server or database: when the driver last beat (unix seconds)
-STALE_S = 900.0  # a run whose driver, on another machine, has not beaten for this long is taken for gone
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +206,8 @@ def reopen_run(store: Store, run_name: str) -> tuple[str, str]:
         raise PipelineError(
             f"train.resume=true: run {run_name!r} ({run.info.run_id}) already finished; start a new run instead."
         )
-    driver = local_driver(run.data.tags)
-    if run.info.status == "RUNNING" and driver is not None and not driver.gone:
-        raise PipelineError(
-            f"train.resume=true: run {run_name!r} ({run.info.run_id}) is still running: its driver, pid {driver.pid}, "
-            f"is alive. Stop it first (Ctrl-C there, or kill {driver.pid}: it checkpoints and ends the run KILLED), "
-            "then resume."
-        )
+    if run.info.status == "RUNNING":
+        refuse_live_resume(store, run)
     if STORAGE_TAG not in run.data.tags:
         raise PipelineError(
             f"train.resume=true: run {run_name!r} ({run.info.run_id}) never reached training, "
@@ -257,74 +247,57 @@ def end_run(client: MlflowClient, run_id: str, status: str, error: str | None = 
     client.set_terminated(run_id, status=RunStatus.to_string(getattr(RunStatus, status)))
 
 
-def this_machine() -> str:
-    """Where a pid means one process: the host's name and the pid namespace (containers on one host, even with
-    its network and name, each have their own)."""
-    return f"{socket.gethostname()}#{os.stat('/proc/self/ns/pid').st_ino}"
-
-
-def this_driver() -> str:
-    """This process, as :data:`DRIVER_TAG` names it: its machine, pid and start time (a reused pid is another
-    process)."""
-    return f"{this_machine()}:{os.getpid()}:{psutil.Process().create_time():.2f}"
-
-
-@dataclass(frozen=True)
-class Driver:
-    """The process a run's :data:`DRIVER_TAG` names, on this machine."""
-
-    pid: int
-    gone: bool  # ended (a process that cannot be read counts as alive: a live run is never touched)
-
-
-def local_driver(tags: dict[str, str]) -> Driver | None:
-    """The driver a run's tags name, when it ran on this machine (None: no tag, or another machine's)."""
-    if DRIVER_TAG not in tags:
-        return None
-    where, pid, started = tags[DRIVER_TAG].rsplit(":", 2)
-    if where != this_machine():
-        return None
-    try:
-        gone = f"{psutil.Process(int(pid)).create_time():.2f}" != started  # a reused pid: another process
-    except psutil.NoSuchProcess:
-        gone = True
-    except psutil.Error:
-        gone = False
-    return Driver(int(pid), gone)
+def refuse_live_resume(store: Store, run) -> None:
+    """A resume of a RUNNING run goes on only once its driver is known gone (:func:`end_orphans` then ended it
+    already), or where no driver holds it (an older version's run): two drivers would write one run and one
+    storage. Refused in one paragraph, nothing written."""
+    verdict = judge(run.data.tags, server_time(store.uri))
+    if verdict.gone or verdict.driver is None:
+        return
+    driver = verdict.driver
+    stop = (
+        f"Stop {driver or 'its driver'} first (Ctrl-C there, ray job stop, or kill {driver.pid if driver else 'it'}: "
+        "it checkpoints and ends the run KILLED), then resume."
+    )
+    about = f"train.resume=true: run {run.info.run_name!r} ({run.info.run_id})"
+    if verdict.gone is False:
+        wait = ""
+        if verdict.silent_s is not None:
+            wait = (
+                f" If its machine is lost, wait: a driver silent for {STALE_S / 60:.0f} min is taken for gone and the "
+                f"resume goes on then (in {max(STALE_S - verdict.silent_s, 0) / 60:.0f} min at the earliest)."
+            )
+        raise PipelineError(f"{about} is still running: {verdict.why}. {stop}{wait}")
+    client = f"MlflowClient('{redact(store.uri)}')"
+    raise PipelineError(
+        f"{about} is RUNNING and this command cannot tell whether its driver lives: {verdict.why}. If it still runs, "
+        f'stop it first. If it is gone, end the run in MLflow, then resume: python -c "from mlflow import '
+        f"MlflowClient; {client}.set_terminated('{run.info.run_id}', 'KILLED')\""
+    )
 
 
 def end_orphans(client: MlflowClient) -> list[str]:
     """Runs left RUNNING by a driver that is gone (SIGKILL, the OOM killer, a crash, a lost machine: nothing ran
     to end them), in any experiment of the store, ended KILLED with the reason and how to continue; their ids.
-    On this machine the driver's process says whether it is gone; on another, its heartbeat on the server or
-    database, silent for :data:`STALE_S`. A command calls it as it opens the store; a run whose driver lives is
-    never touched."""
+    :func:`pipeline.tracking.liveness.judge` is the judge; a run it cannot judge is left as it is, and said so
+    once. A command calls it as it opens the store."""
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return []
-    running = "attributes.status = 'RUNNING'"
-    ours = client.search_runs(experiments, filter_string=f"{running} and tags.`{DRIVER_TAG}` LIKE '{this_machine()}:%'")
-    beating = client.search_runs(experiments, filter_string=f"{running} and tags.`{HEARTBEAT_TAG}` LIKE '%'")
-    orphans = {}
-    for run in ours:
-        driver = local_driver(run.data.tags)
-        if driver is not None and driver.gone:
-            orphans[run.info.run_id] = (run, f"its driver (pid {driver.pid} on {socket.gethostname()}) ended")
-    for run in beating:
-        silent = time.time() - float(run.data.tags[HEARTBEAT_TAG])
-        if local_driver(run.data.tags) is None and silent > STALE_S:
-            where = run.data.tags.get(DRIVER_TAG, "?").rsplit(":", 2)
-            orphans[run.info.run_id] = (
-                run,
-                f"its driver (pid {where[-2]} on {where[0]}) has not beaten for {silent / 60:.0f} min",
-            )
-    for run, why in orphans.values():
-        why += " without ending it (killed, crashed, or its machine lost)"
-        end_run(client, run.info.run_id, "KILLED", f"driver gone: {why}; ended by a later command (pid {os.getpid()})")
+    held = client.search_runs(experiments, f"attributes.status = 'RUNNING' and tags.`{DRIVER_TAG}` LIKE '%'")
+    now = server_time(client.tracking_uri) if held else None
+    verdicts = [(run, judge(run.data.tags, now)) for run in held]
+    say_undecided([(run, verdict) for run, verdict in verdicts if verdict.gone is None])
+    orphans = [(run, verdict) for run, verdict in verdicts if verdict.gone]
+    for run, verdict in orphans:
+        why = f"{verdict.why} without ending it (killed, crashed, or its machine lost)"
+        end_run(client, run.info.run_id, "KILLED", f"{ORPHAN}: {why}; ended by a later command (pid {os.getpid()})")
         continued = ""
         if STORAGE_TAG in run.data.tags:  # it reached training: its checkpoints stay
             command = f"python -m pipeline {run.data.tags.get(OVERRIDES_TAG, '')}".rstrip()
             continued = f" Continue it with: {command} train.resume=true tracking.run_name={run.info.run_name}"
+            if not verdict.driver or not verdict.driver.here():  # silent: perhaps only cut off from the server
+                continued += f" (if {verdict.driver or 'its driver'} still runs, stop it first)"
         log.warning(
             "MLflow run %r (%s) was left RUNNING: %s. Ended KILLED.%s",
             run.info.run_name,
@@ -332,4 +305,4 @@ def end_orphans(client: MlflowClient) -> list[str]:
             why,
             continued,
         )
-    return list(orphans)
+    return [run.info.run_id for run, _ in orphans]

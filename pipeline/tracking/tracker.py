@@ -7,17 +7,19 @@ block. The store is :mod:`pipeline.tracking.mlflow_store`'s; LoggedModels :mod:`
 
 from __future__ import annotations
 
+import logging
+
 from pipeline.common.errors import redact
 from pipeline.common.metrics import epoch_metrics, first_task_metric
 from pipeline.common.workarounds import system_metrics_monitor
 from pipeline.config import PipelineConfig
-from pipeline.runtime.filesystems import RunStorage, local_store
+from pipeline.runtime.filesystems import RunStorage
 from pipeline.tracking.delivery import Delivery, metrics_record
 from pipeline.tracking.epochs import EpochLog
 from pipeline.tracking.heartbeat import Heartbeat
 from pipeline.tracking.lineage import dataset_name, log_data
+from pipeline.tracking.liveness import DRIVER_TAG, this_driver
 from pipeline.tracking.mlflow_store import (
-    DRIVER_TAG,
     STORAGE_TAG,
     Store,
     end_orphans,
@@ -25,7 +27,6 @@ from pipeline.tracking.mlflow_store import (
     reopen,
     reopen_run,
     start_run,
-    this_driver,
 )
 from pipeline.tracking.models import BEST_MODEL_TAG
 from pipeline.tracking.record import RunRecord
@@ -38,6 +39,8 @@ CACHE_TAG = "pipeline.cache"  # what ingest.cache kept in the object store (or w
 SHUFFLE_TAG = "pipeline.shuffle"  # how the training split's windows mix it (the footers' label ranges)
 READS_TAG = "pipeline.reads"  # what the streamed splits read, on which nodes
 DEVICE_TAG = "pipeline.device_steps"  # the steps the training workers run on their device, per split
+
+log = logging.getLogger(__name__)
 
 
 class Tracker:
@@ -54,7 +57,7 @@ class Tracker:
         self.epochs = EpochLog(self.record, metrics, cfg.tracking)
         self.name = self.record.name
         self._system_metrics = None  # MLflow's SystemMetricsMonitor while the ``with`` block runs
-        self._heartbeat: Heartbeat | None = None  # the driver's beat on a server or database, while it runs
+        self._heartbeat: Heartbeat | None = None  # the driver's beat on a tracking server, while it runs
 
     # The tracker factory: every run the pipeline writes is created or reopened by one of these three.
 
@@ -160,12 +163,25 @@ class Tracker:
     def end(self, status: str, error: BaseException | None = None) -> None:
         self.record.end(status, error)
 
+    def stop_first(self, error: BaseException) -> None:
+        """A stop (Ctrl-C, SIGTERM) recorded KILLED at once, the heartbeat stopped before it: nothing sets the run
+        RUNNING again while the stop waits for its checkpoint, which ``ray job stop``'s SIGKILL may cut short."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if not self.superseded:
+            self.record.stop_first("KILLED", error)
+
+    @property
+    def superseded(self) -> bool:
+        """Another driver took the run while this one was cut off from the server (:mod:`.heartbeat`)."""
+        return self._heartbeat is not None and self._heartbeat.superseded
+
     def __enter__(self) -> Tracker:
         """Start MLflow's system metrics (this node's CPU, memory, disk, network, and GPU when pynvml
-        finds one) for the run, under ``system/``; a resumed run continues their steps. On a store other
-        machines share (a server, a database), the driver's heartbeat."""
-        if local_store(self.uri, self.cfg.paths.outputs) is None:
-            self._heartbeat = Heartbeat(self.record.client, self.run_id)
+        finds one) for the run, under ``system/``; a resumed run continues their steps. On a tracking server, the
+        driver's heartbeat."""
+        if self.uri.startswith(("http://", "https://")):
+            self._heartbeat = Heartbeat(self.record.client, self.uri, self.run_id)
         interval = self.cfg.tracking.system_metrics_s
         if interval:
             self._system_metrics = system_metrics_monitor(self.run_id, interval, self.resume_from is not None, self.uri)
@@ -180,8 +196,11 @@ class Tracker:
         status = end_status(error)
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self.superseded:  # the run's end is the other driver's; this one's record stays in its spool, if any
+            log.error("run %s is held by another driver: this command's end (%s) is not recorded", self.run_id, status)
+            return
         if status == "KILLED":
-            self.record.stop_first(status, error)
+            self.stop_first(error)
         if self._system_metrics is not None and not self.record.server_away:  # no use retrying its last samples
             self._system_metrics.finish()  # its last samples, before the spool's end record
         try:
