@@ -165,7 +165,8 @@ def wait_for_validation(tmp_path: Path, pid: int, timeout_s: float = 180.0) -> N
 
 
 @pytest.mark.slow  # runs the command, which starts Ray
-@pytest.mark.parametrize("killed", ["driver", "raylet"])
+# "raylet" left to the fault soak (tests/test_soak.py, -m soak, whose faults include it): the suite's time
+@pytest.mark.parametrize("killed", ["driver", pytest.param("raylet", marks=pytest.mark.soak)])
 def test_a_run_whose_driver_is_killed_mid_epoch_is_ended_killed_by_the_next_command(tmp_path, ledger_data, killed):
     """The driver SIGKILLed mid-epoch (the OOM killer's choice): nothing ran to end its run, RUNNING. The next command
     on the same store ends it KILLED as it starts, with the reason, and says how to continue it. Or its raylet: Ray
