@@ -94,13 +94,19 @@ class Driver:
             return False
 
 
+def health(uri: str) -> requests.Response:
+    """The tracking server's answer to ``GET /health``, within :data:`SERVER_TIMEOUT_S` (MLflow's own client retries
+    an unreachable server for minutes); raises ``requests.RequestException`` when none comes."""
+    return requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_TIMEOUT_S)
+
+
 def server_time(uri: str) -> float | None:
     """The tracking server's clock now (its answer's ``Date``; any answer carries one), or None: no server
     (a local or database store), none answering, or no date."""
     if not uri.startswith(("http://", "https://")):
         return None
     try:
-        date = requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_TIMEOUT_S).headers.get("Date")
+        date = health(uri).headers.get("Date")
         return None if date is None else parsedate_to_datetime(date).timestamp()
     except (requests.RequestException, TypeError, ValueError):
         return None

@@ -24,10 +24,18 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PARENT_RUN_ID
 from pipeline.common.errors import PipelineError, redact
 from pipeline.config import TrackingConfig
 from pipeline.runtime.filesystems import local_store
-from pipeline.tracking.liveness import DRIVER_TAG, ORPHAN, STALE_S, judge, say_undecided, server_time, this_driver
+from pipeline.tracking.liveness import (
+    DRIVER_TAG,
+    ORPHAN,
+    STALE_S,
+    health,
+    judge,
+    say_undecided,
+    server_time,
+    this_driver,
+)
 
 CODE_DIR = str(Path(__file__).resolve().parent)
-SERVER_TIMEOUT_S = 5.0
 MAX_TAG_LENGTH = 5000  # MLflow rejects longer tag values
 SWEEP_DIR_TAG = "pipeline.sweep_dir"
 OVERRIDES_TAG = "pipeline.overrides"
@@ -80,7 +88,7 @@ def check_server(uri: str) -> None:
     """Fail within seconds when no MLflow server answers at ``uri``: MLflow's client retries an
     unreachable server with backoff for minutes before it gives up. Any HTTP answer will do."""
     try:
-        requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_TIMEOUT_S)
+        health(uri)
     except requests.RequestException as err:
         raise PipelineError(
             f"tracking.uri: no MLflow tracking server answers at {redact(uri)} ({type(err).__name__}). Start it "
