@@ -153,7 +153,9 @@ def capture_warnings(caplog, monkeypatch, name: str) -> None:
     """Logger ``name``'s warnings into ``caplog``, whatever another test of this process left of logging (a
     root at ERROR, a library's fileConfig that disabled existing loggers)."""
     logger = logging.getLogger(name)
-    monkeypatch.setattr(logger, "disabled", False)
+    below = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(f"{name}.")]
+    for each in [logger, *below]:  # a fileConfig disables the modules' loggers too, not only ``name``
+        monkeypatch.setattr(each, "disabled", False)
     monkeypatch.setattr(logger, "handlers", [caplog.handler])
     caplog.set_level(logging.WARNING, logger=name)
 
