@@ -4,6 +4,8 @@ themselves, whose first epoch trains from the pieces as they are built; and the 
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +15,7 @@ from conftest import compose_cfg, epoch_dataset, in_block_order, jpeg, row_group
 import transforms
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps
+from pipeline.data.epochs import ReadCount
 from pipeline.jobs import preflight
 from transforms.randomness import ROW
 
@@ -65,7 +68,8 @@ def test_rows_are_numbered_in_file_order_and_a_resumed_epoch_leaves_out_those_tr
 ):
     """The training split's rows carry their number (file order: the ledger's and the draws' key), whatever order an
     epoch reads them in; an epoch set with the rows trained on before a stop reads every other row once, each with its
-    own number; the epoch's label reaches the steps, not the batches."""
+    own number, and set again without them (a restarted group back at the epoch's start) reads them all; the epoch's
+    label reaches the steps, not the batches."""
     cfg, split = row_groups_split(tmp_path, files=4)
     stored = [image for file in split.files for image in pq.read_table(file)["image"].to_pylist()]
     done = np.zeros(64, dtype=bool)
@@ -76,9 +80,12 @@ def test_rows_are_numbered_in_file_order_and_a_resumed_epoch_leaves_out_those_tr
         whole = ds.take_all()
         ray.get(actor.set_epoch.remote(2, np.packbits(done)))
         resumed = ds.take_all()
+        ray.get(actor.set_epoch.remote(2))  # a restarted group fell back to the checkpoint at the epoch's start
+        again = ds.take_all()
     assert sorted(row[ROW] for row in whole) == list(range(64))
     assert all(row["image"] == stored[row[ROW]] for row in whole + resumed)  # each number names its row
     assert sorted(row[ROW] for row in resumed) == np.flatnonzero(~done).tolist()
+    assert [row[ROW] for row in again] == [row[ROW] for row in whole]  # every row again, none left out
     assert [row[ROW] for row in resumed] == [row[ROW] for row in whole if not done[row[ROW]]]  # the same order
     assert all(set(row) == {"image", "label", ROW} for row in whole)
 
@@ -144,3 +151,18 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
 
     with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):
         preflight.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))
+
+
+def test_the_read_figures_hold_a_few_executions_however_many_epochs_and_count_each_task_run_again():
+    """The job's count of what was read (kept by its epochs actor for the whole run): a thousand epochs of two splits
+    hold no more than five do, and each task Ray ran twice within its execution is counted once as run again."""
+    count = ReadCount()
+    sizes = {}
+    for execution in range(1000):
+        for name in ("train", "valid"):
+            for index in range(10):
+                count.add(f"node{index % 2}", 100, (name, f"e{execution}", index))
+            count.add("node0", 100, (name, f"e{execution}", execution % 10))  # a lost node's task rebuilt
+        sizes[execution] = len(pickle.dumps(count))
+    assert count.again == 2000 and dict(count.by_node) == {"node0": 2000 * 600, "node1": 2000 * 500}
+    assert sizes[999] <= sizes[5] * 1.05  # before: every task of every execution, about 200 times as much

@@ -42,32 +42,53 @@ READ_THREADS = 4  # a task reads up to this many parts at once (reading is mostl
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Epochs:
     """The job's epoch as the training workers read it, the rows of it trained on before a stop (a resumed epoch:
-    packed bits, :mod:`pipeline.training.ledger`), and what the read tasks read: the bytes on each node, and how many
-    times each task ran (more than once: Ray ran it again, to rebuild what a lost node held).
+    packed bits, :mod:`pipeline.training.ledger`), and what the read tasks read (:class:`ReadCount`).
 
     Its process killed (the OOM killer's pick), Ray starts it again and retries the calls in flight: the workers set
     the epoch again before the next pass, and each read task carries its own; the read figures start over (the fault
     soak, tests/test_soak.py, failed the run before)."""
 
     def __init__(self) -> None:
-        self.epoch, self.trained, self.read, self.runs = 0, None, Counter(), Counter()
+        self.epoch, self.trained, self.read = 0, None, ReadCount()
 
     def set_epoch(self, epoch: int, done: np.ndarray | None = None) -> None:
-        """The training workers, before each pass (Ray Train's split starts it once every worker has asked)."""
-        if done is not None or epoch != self.epoch:
-            self.trained = None if done is None else ray.put(done)
-        self.epoch = epoch
+        """The training workers, before each pass (Ray Train's split starts it once every worker has asked), each
+        with the same ``done``: a pass leaves out only the rows its own workers say were trained (a restarted group
+        that falls back to the epoch's start reads every row of it again)."""
+        self.epoch, self.trained = epoch, None if done is None else ray.put(done)
 
     def position(self) -> tuple[int, ray.ObjectRef | None]:
         return self.epoch, self.trained
 
     def add_read(self, node: str, size: int, task: tuple) -> None:
-        self.read[node] += size
-        self.runs[task] += 1
+        self.read.add(node, size, task)
 
     def reads(self) -> tuple[dict[str, int], int]:
         """Bytes read per node, and the read tasks run again."""
-        return dict(self.read), sum(runs - 1 for runs in self.runs.values())
+        return dict(self.read.by_node), self.read.again
+
+
+class ReadCount:
+    """What the read tasks read: bytes per node, and the tasks Ray ran again (a task seen twice in one execution of a
+    split: rebuilt from its lineage). Only each split's newest ``EXECUTIONS`` executions are remembered, so a long run
+    holds a few epochs' tasks, not every epoch's."""
+
+    EXECUTIONS = 4  # a task of an older execution of its split is not run again once newer ones have begun
+
+    def __init__(self) -> None:
+        self.by_node: Counter = Counter()
+        self.again = 0
+        self.seen: dict[tuple[str, str], set[int]] = {}  # (split, execution) -> its tasks run, oldest first
+
+    def add(self, node: str, size: int, task: tuple[str, str, int]) -> None:
+        name, execution, index = task
+        self.by_node[node] += size
+        tasks = self.seen.setdefault((name, execution), set())
+        self.again += index in tasks
+        tasks.add(index)
+        same = [key for key in self.seen if key[0] == name]
+        for old in same[: -self.EXECUTIONS]:
+            del self.seen[old]
 
 
 @dataclass(frozen=True, kw_only=True)
