@@ -173,3 +173,72 @@ def test_workers_reading_a_cache_themselves_each_take_an_equal_share_every_row_o
     resumed = shares(0, np.packbits(trained), left=1000 - trained.sum())
     rows = [r for s in resumed for r in s]
     assert not trained[rows].any() and len(set(rows)) == len(rows) == world * ((1000 - trained.sum()) // world)
+
+
+def test_a_worker_reading_the_cache_itself_batches_its_share_in_order_copying_each_row_once(monkeypatch):
+    """Feed.read: a worker's share, four windows of 3,000 rows dealt from pieces of 1,000, in batches of 7: the
+    batches hold the share's rows in the order dealt, each once, with its piece, place and number, and the last two
+    rows as a batch of their own; what is copied to make a batch is its own rows (the rest of a window waiting was
+    copied at every batch before: quadratic in a worker's share of an epoch)."""
+    from types import SimpleNamespace
+
+    from pipeline.data import feed
+
+    windows = [
+        pieces.WindowRows(
+            refs=[f"w{w}p{i}" for i in range(5)],
+            starts=np.arange(0, 5001, 1000),
+            order=np.arange(5000),
+            numbers=np.arange(5000) + 5000 * w,
+        )
+        for w in range(4)
+    ]
+    mine = [np.random.default_rng(w).permutation(5000)[:3000] for w in range(4)]
+    monkeypatch.setattr(pieces, "shard", lambda *args, **kwargs: iter(zip(windows, mine)))
+    copied = [0]
+    concatenate = np.concatenate
+
+    def counted(arrays, *args, **kwargs):
+        out = concatenate(arrays, *args, **kwargs)
+        copied[0] += out.size
+        return out
+
+    monkeypatch.setattr(np, "concatenate", counted)
+    worker = SimpleNamespace(
+        reading=SimpleNamespace(ingest=SimpleNamespace(batch_size=7)),
+        gathered=lambda indexed, held, refs, place, numbers: (list(refs), place, numbers),
+    )
+    indexed = SimpleNamespace(rows=20_000, cache=SimpleNamespace(windows=None, seed=0), numbers=np.arange(20_000))
+    batches = list(feed.Feed.read(worker, indexed, 0, 0, 1, None, False))
+    monkeypatch.setattr(np, "concatenate", concatenate)
+    refs, places, numbers = (np.concatenate([batch[i] for batch in batches]) for i in range(3))
+    assert [len(batch[1]) for batch in batches] == [7] * 1714 + [2]
+    expected = np.concatenate([window.numbers[rows] for window, rows in zip(windows, mine)])
+    assert numbers.tolist() == expected.tolist()  # every row once, in the order dealt
+    assert refs.tolist() == [f"w{n // 5000}p{n % 5000 // 1000}" for n in expected] and (places == expected % 1000).all()
+    assert copied[0] <= 3 * 12_000  # refs, places and numbers, each row's once (before: about 3.6 million)
+
+
+def test_a_feed_whose_caller_stops_early_leaves_no_thread_behind():
+    """feed.ahead (a DataLoader's workers and prefetch, in threads): a caller that takes one of two batches and leaves
+    (an early stop, an error in its step) lets every thread go; before, the thread drawing the batches waited for ever
+    to hand on their end, holding the iterator (a thread and a Ray Data iterator leaked per run in one process)."""
+    import threading
+
+    from pipeline.data import feed
+
+    drawn = threading.Event()
+
+    def items():
+        yield from range(2)
+        drawn.set()
+
+    before = set(threading.enumerate())
+    got = feed.ahead(items(), lambda item: item * 10, threads=1)
+    assert next(got) == 0
+    assert drawn.wait(10)  # the second batch waits in the queue; the end comes next
+    got.close()
+    left = set(threading.enumerate()) - before
+    for thread in left:
+        thread.join(timeout=5)
+    assert [thread.name for thread in left if thread.is_alive()] == []

@@ -23,6 +23,7 @@ runs in ``ingest.prefetch_batches`` threads ahead of the training step (:func:`a
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import warnings
@@ -167,8 +168,7 @@ class Feed:
         batch = self.reading.ingest.batch_size // world
         left = indexed.rows - (int(np.unpackbits(trained).sum()) if trained is not None else 0)
         held: dict[ray.ObjectRef, dict[str, np.ndarray]] = {}
-        refs: list[ray.ObjectRef] = []
-        places, numbers = [], []
+        dealt = Dealt()
         share = pieces.shard(
             indexed.cache,
             indexed.cache.windows,
@@ -182,17 +182,16 @@ class Feed:
         )
         for window, mine in share:
             piece, place = window.where(mine)
-            refs += [window.refs[i] for i in piece]
-            places.append(place)
-            numbers.append(window.numbers[mine] if window.numbers is not None else place)
-            while len(refs) >= batch:
-                yield self.gathered(indexed, held, refs[:batch], *cut(places, numbers, batch))
-                refs = refs[batch:]
-        if refs and not drop_last:
-            yield self.gathered(indexed, held, refs, *cut(places, numbers, len(refs)))
+            refs = np.empty(len(piece), dtype=object)
+            refs[:] = [window.refs[i] for i in piece]
+            dealt.add(refs, place, window.numbers[mine] if window.numbers is not None else place)
+            while len(dealt) >= batch:
+                yield self.gathered(indexed, held, *dealt.take(batch))
+        if len(dealt) and not drop_last:
+            yield self.gathered(indexed, held, *dealt.take(len(dealt)))
 
     def gathered(
-        self, indexed: Indexed, held: dict, refs: list[ray.ObjectRef], place: np.ndarray, numbers: np.ndarray
+        self, indexed: Indexed, held: dict, refs: np.ndarray, place: np.ndarray, numbers: np.ndarray
     ) -> dict[str, np.ndarray]:
         """The rows at ``place`` of the pieces ``refs`` (a row each), the split's ``columns`` and, for a numbered
         split, their numbers: the pieces are mapped from the object store once an epoch (``held``), and a ragged
@@ -214,11 +213,34 @@ class Feed:
         return batch
 
 
-def cut(places: list[np.ndarray], numbers: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``count`` of the rows ``places`` and ``numbers`` hold (lists of arrays, consumed in place)."""
-    place, number = np.concatenate(places), np.concatenate(numbers)
-    places[:], numbers[:] = [place[count:]], [number[count:]]
-    return place[:count], number[:count]
+class Dealt:
+    """The rows dealt to a worker and not yet batched: runs of (their pieces' refs, their places in them, their
+    numbers), taken from the front; a batch costs its own rows, never a copy of those still waiting (a window holds
+    thousands of batches)."""
+
+    def __init__(self) -> None:
+        self.runs: collections.deque[tuple[np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
+        self.rows = 0
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def add(self, refs: np.ndarray, places: np.ndarray, numbers: np.ndarray) -> None:
+        self.runs.append((refs, places, numbers))
+        self.rows += len(places)
+
+    def take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first ``count`` rows (refs, places, numbers); the rest of a run is left as a view of it."""
+        taken = []
+        self.rows -= count
+        while count:
+            run = self.runs.popleft()
+            if len(run[1]) > count:
+                self.runs.appendleft(tuple(column[count:] for column in run))
+                run = tuple(column[:count] for column in run)
+            taken.append(run)
+            count -= len(run[1])
+        return tuple(np.concatenate(columns) for columns in zip(*taken))
 
 
 def moved(value: Any, device: torch.device) -> Any:
@@ -230,26 +252,30 @@ def moved(value: Any, device: torch.device) -> Any:
 def ahead(items: Iterator, work: Callable[[Any], Any], threads: int) -> Iterator:
     """``work(item)`` for each of ``items``, in order, done in ``threads`` threads up to ``threads`` items ahead of
     the caller (a DataLoader's workers and prefetch): ``items`` is drawn in a thread of its own, each item's work
-    in the pool. An error there is raised here; a caller that stops early lets the threads go at their next item."""
+    in the pool. An error there is raised here; a caller that stops early lets the threads (and so ``items``) go
+    at their next item: the thread drawing them never waits on a caller that left."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix="feed")
     futures: queue.Queue = queue.Queue(maxsize=threads)
     stop, end = threading.Event(), object()
 
+    def hand(thing: Any) -> bool:
+        """``thing`` to the caller, unless it stopped (then never blocks); whether it went."""
+        while not stop.is_set():
+            try:
+                futures.put(thing, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def submit() -> None:
         try:
             for item in items:
-                future = pool.submit(work, item)
-                while not stop.is_set():
-                    try:
-                        futures.put(future, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand(pool.submit(work, item)):
                     return
-            futures.put(end)
+            hand(end)
         except BaseException as err:  # handed to the caller, raised there
-            futures.put(err)
+            hand(err)
 
     threading.Thread(target=submit, name="feed-order", daemon=True).start()
     try:
