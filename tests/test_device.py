@@ -15,7 +15,16 @@ from pipeline.common.errors import PipelineError
 from pipeline.data import steps
 from pipeline.data.feed import Collate
 from transforms import decode_image, random_crop, random_flip, random_resized_crop
-from transforms.device import DecodeImage, Ragged, RandomCrop, RandomFlip, RandomResizedCrop, batched_resize
+from transforms.device import (
+    DecodeImage,
+    Ragged,
+    RandomCrop,
+    RandomFlip,
+    RandomResizedCrop,
+    batched_resize,
+    decoded,
+    resize_windows,
+)
 from transforms.image import resized_crop_plan
 from transforms.randomness import ROW
 
@@ -124,8 +133,8 @@ def test_random_crop_and_flip_on_the_device_are_the_cpu_steps():
 
 def test_encoded_images_decode_on_the_device_as_the_cpu_steps_decode_them():
     """JPEG bytes and a PNG in a Hugging Face struct: the validation decode (resize and centre crop) and the training
-    crop from the bytes, decoded whole on the device, against the CPU steps (which decode JPEGs at a DCT-reduced
-    scale where the output allows: close, not equal)."""
+    crop from the bytes, decoded whole as on a GPU, against the CPU steps (which decode JPEGs at a DCT-reduced scale
+    where the output allows: close, not equal); a CPU worker's crop is the CPU step's, pixel for pixel."""
     import io
 
     from PIL import Image
@@ -139,8 +148,11 @@ def test_encoded_images_decode_on_the_device_as_the_cpu_steps_decode_them():
     device = on_device(DecodeImage(size=64, resize=72), batch, epoch=0)["image"].numpy()
     assert device.shape == cpu.shape and np.abs(device.astype(int) - cpu.astype(int)).mean() < 3
     cpu = random_resized_crop(batch, size=48, seed=4, flip=0.5)["image"]
-    device = on_device(RandomResizedCrop(size=48, seed=4, flip=0.5), batch, epoch=0)["image"].numpy()
-    assert np.abs(device.astype(int) - cpu.astype(int)).mean() < 4
+    crop = RandomResizedCrop(size=48, seed=4, flip=0.5)
+    np.testing.assert_array_equal(on_device(crop, batch, epoch=0)["image"].numpy(), cpu)  # a CPU worker's: the same
+    params = crop.plan(batch, 0)  # a GPU's way, here on the CPU: each image decoded whole, then its window resized
+    whole = resize_windows(decoded(column, 3, CPU), params["boxes"], params["flips"], 48).numpy()
+    assert np.abs(whole.astype(int) - cpu.astype(int)).mean() < 4
 
 
 def for_a_gpu(steps: list, epoch: int) -> Collate:

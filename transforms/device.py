@@ -8,7 +8,7 @@ the row's number), so a row gets the same window and flip on either side; ``__ca
 the device. Ragged pixels (a working size whose images differ in shape) arrive as :class:`Ragged`: on a GPU one
 padded uint8 tensor and each image's size. Encoded images arrive as they were read (bytes, or Hugging Face structs);
 a step that takes them decodes on the device: JPEGs with nvJPEG on a GPU (torchvision's batched ``decode_jpeg``),
-other formats on the CPU.
+other formats on the CPU; a CPU worker's crop decodes each JPEG as the CPU function does, at its window's DCT scale.
 
 Resizing is torch's bilinear with antialiasing, as the CPU functions', in two forms that give the same pixels: on a
 GPU one pair of batched matrix products (each output row and column a weighted sum of the window's pixels, the
@@ -24,7 +24,15 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from transforms.image import _dimensions, _encoded, _is_jpeg, crop_plan, flip_plan, resized_crop_plan
+from transforms.image import (
+    _dimensions,
+    _encoded,
+    _is_jpeg,
+    crop_plan,
+    cropped_window,
+    flip_plan,
+    resized_crop_plan,
+)
 from transforms.randomness import ROW
 
 Batch = dict[str, Any]
@@ -90,8 +98,19 @@ class RandomResizedCrop:
         return {"boxes": boxes, "flips": flips}
 
     def __call__(self, batch: Batch, params: Params) -> Batch:
-        images = decoded(batch[self.column], self.channels, _device_of(batch))
+        values, device = batch[self.column], _device_of(batch)
+        if device.type == "cpu" and not isinstance(values, (torch.Tensor, Ragged)):  # encoded, for a CPU worker
+            return {**batch, self.column: self.cpu_windows(values, params)}
+        images = decoded(values, self.channels, device)
         return {**batch, self.column: resize_windows(images, params["boxes"], params["flips"], self.size)}
+
+    def cpu_windows(self, values: Any, params: Params) -> torch.Tensor:
+        """Encoded images' windows on the CPU, as the CPU function cuts them: each JPEG decoded at the window's DCT
+        scale (a large photo's crop costs a fraction of a full decode), in the feed thread that calls (the decoder
+        and torch's resize let go of the GIL)."""
+        pairs = zip(values, params["boxes"], params["flips"])
+        windows = [cropped_window(_encoded(value), box, flip, self.size, self.channels) for value, box, flip in pairs]
+        return torch.from_numpy(np.stack(windows))
 
 
 class DecodeImage:

@@ -121,14 +121,20 @@ def random_resized_crop(
     )
 
     def cropped(i: int, data: bytes) -> np.ndarray:
-        height, width = _dimensions(data)
-        top, left, h, w = boxes[i]
-        image = _decode(data, channels, _dct_shrink(height, width, height * size / h, width * size / w))
-        window = _resized(image, (top, left, h, w), size, (height, width))
-        return window[..., ::-1] if flips[i] else window
+        return cropped_window(data, boxes[i], flips[i], size, channels)
 
     rows = {"column": column, "channels": channels, "on_error": on_error, "path_column": path_column}
     return _each_row("random_resized_crop", batch, **rows, image_of=cropped, size=size)
+
+
+def cropped_window(data: bytes | np.ndarray, box: np.ndarray, flip: bool, size: int, channels: int) -> np.ndarray:
+    """One image's window ``box`` (top, left, h, w) resized to ``size`` x ``size``, mirrored with ``flip``, uint8
+    (channels, size, size): a JPEG decoded at the smallest DCT scale that keeps the window at least ``size``."""
+    height, width = _dimensions(data)
+    top, left, h, w = box
+    image = _decode(data, channels, _dct_shrink(height, width, height * size / h, width * size / w))
+    window = _resized(image, (top, left, h, w), size, (height, width))
+    return window[..., ::-1] if flip else window
 
 
 def resized_crop_plan(
