@@ -187,6 +187,7 @@ def test_keys_added_with_plus_are_checked_too(override, message):
         ),
         (["scaling.local_mode=yes"], r"scaling.local_mode must be auto, true or false, got 'yes'"),
         (["train.epochs=0"], r"train.epochs must be >= 1"),
+        (["ingest.local_shuffle_buffer_size=all"], r"ingest.local_shuffle_buffer_size must be auto, null or a number"),
         (["source.limit=0"], r"source.limit must be >= 1"),
         (["train.amp_dtype=float8"], r"train.amp_dtype: expected one of bfloat16, float16, got 'float8'"),
         (["train.accumulate=0"], r"train.accumulate must be >= 1, got 0"),

@@ -49,7 +49,8 @@ def groups_of(root: Path) -> list[pieces.RowGroup]:
 
 def test_read_tasks_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warned(tmp_path):
     """Twenty read tasks of one row group each: stored by class, each holds one label of ten; stored shuffled, all ten.
-    One task of every row group mixes either fully. Read unshuffled, the advice is to shuffle."""
+    One task of every row group mixes either fully, as does a shuffle buffer of the whole split; one of a quarter of
+    it, at most half the labels. Read unshuffled, the advice is to shuffle."""
     cfg = compose_cfg([])
     layout = Layout.of(cfg.source)
     sorted_groups, shuffled_groups = groups_of(stored(tmp_path, "sorted")), groups_of(stored(tmp_path, "shuffled"))
@@ -62,6 +63,13 @@ def test_read_tasks_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warne
     assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).share > 0.95  # a group of 32 may miss 0 or 9
     assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).warning() is None
     assert preprocess.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one task: a full shuffle
+    # each worker's shuffle buffer draws on the rows of the tasks it spans: the whole split's, a full shuffle
+    workers = cfg.scaling.max_workers  # each a buffer of its own
+    whole = preprocess.mixing(sorted_groups, 20, 0, layout, cfg, buffer=640 // workers)
+    assert whole.share == 1.0 and whole.warning() is None
+    assert f"a shuffle buffer of {640 // workers} rows, the whole split: a full shuffle" in whole.summary()
+    quarter = preprocess.mixing(sorted_groups, 20, 0, layout, cfg, buffer=160 // workers)  # 5 tasks' rows: <= 5 labels
+    assert 0.3 <= quarter.share <= 0.5 and "ingest.local_shuffle_buffer_size" in quarter.warning()
     unshuffled = preprocess.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a task of its own
     assert "Turn the shuffle on: ingest.shuffle=true." in unshuffled.warning()
 
@@ -117,18 +125,19 @@ def test_reshuffle_rewrites_a_class_sorted_split_that_its_read_tasks_then_mix(tm
 
 
 @pytest.mark.slow  # starts Ray
-def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_warns_before_training(tmp_path):
-    """Streamed by read tasks of one row group (a tiny ingest.read_task_mib), a class-sorted split: the warning comes
-    before the first epoch, the run records the bound (pipeline.shuffle) and measures a label_mix near 1/10."""
+def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_mixes_it_as_a_full_shuffle(tmp_path):
+    """Streamed by read tasks of one row group each (a tiny ingest.read_task_mib), a class-sorted split, with the
+    default shuffle buffer: no warning, the run records how it mixes (pipeline.shuffle: the whole split in the
+    workers' buffers) and measures a label_mix near a full shuffle's 1 (each task's rows alone: about 1/10)."""
     root = stored(tmp_path, "sorted").parent
     args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.read_task_mib=1e-6"]
     args.append("scaling.num_workers=2")  # batches of 64 a worker: two read tasks' rows, each of one class
     result = run_cli([*args, f"source.root={root / 'sorted'}", "source.download=null"], tmp_path, root)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    warned = output.index("ingest: the training split looks sorted by label")
-    assert warned < output.index("epoch 1/1")
+    assert "looks sorted by label" not in output
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-    assert run.data.tags["pipeline.shuffle"].startswith("20 read task(s) of 1 row groups of about 32 rows")
-    assert run.data.metrics["label_mix"] < 0.3
+    shuffle = run.data.tags["pipeline.shuffle"]
+    assert shuffle.startswith("20 read task(s) of 1 row groups of about 32 rows") and "a full shuffle" in shuffle
+    assert run.data.metrics["label_mix"] > 0.85

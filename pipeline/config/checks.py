@@ -268,6 +268,11 @@ def check_ingest(ingest: IngestConfig) -> None:
     _require(0 < ingest.cache_share <= 1, f"ingest.cache_share must be in (0, 1], got {ingest.cache_share}.")
     _require(ingest.read_task_mib > 0, f"ingest.read_task_mib must be above 0, got {ingest.read_task_mib}.")
     _require(ingest.batch_size >= 1, f"ingest.batch_size must be >= 1, got {ingest.batch_size}.")
+    buffer = ingest.local_shuffle_buffer_size
+    _require(
+        buffer in (None, "auto") or (isinstance(buffer, int) and not isinstance(buffer, bool) and buffer >= 1),
+        f"ingest.local_shuffle_buffer_size must be auto, null or a number of rows >= 1, got {buffer!r}.",
+    )
     normalize = ingest.normalize
     _require(
         normalize is None or (len(normalize.mean) == len(normalize.std) and min(normalize.std) > 0),

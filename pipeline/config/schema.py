@@ -294,7 +294,10 @@ class NormalizeConfig:
 class IngestConfig:
     batch_size: int = 128  # global: each of N workers gets batch_size / N rows per step
     prefetch_batches: int = 2
-    local_shuffle_buffer_size: Optional[int] = None  # rows; null: no per-worker shuffle
+    # rows each training worker draws its batches from at random, across read tasks (Ray Data's local shuffle);
+    # auto: as many as a quarter of the smallest object store holds, among the workers, at the size rows reach
+    # them (stored rows on one node: most splits whole, a full shuffle), with ingest.shuffle; null: none
+    local_shuffle_buffer_size: Any = "auto"
     drop_last: bool = False
     preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost
     # uint8 pixels travel as they are (a quarter of float32's bytes) and become (x/255 - mean) / std on the

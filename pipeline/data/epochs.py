@@ -96,7 +96,7 @@ class Reading:
     """How the training workers read each split (built on the driver, handed to every worker; read by
     :mod:`pipeline.data.feed`): the job's :class:`Epochs` actor, each split's steps the workers run on their device,
     the cached splits they read themselves (the others are Ray Train's shards of the job's datasets), the columns
-    they keep, the ingest settings and the seed of the local shuffle."""
+    they keep, the ingest settings, and the seed and rows of the local shuffle."""
 
     epochs: Any
     on_device: dict[str, dict[str, TransformSpec]]
@@ -104,6 +104,7 @@ class Reading:
     columns: list[str]
     ingest: IngestConfig
     seed: int
+    shuffle_rows: int | None = None  # each worker's shuffle buffer of the training split, rows (None: none)
 
 
 @dataclass(frozen=True, kw_only=True)

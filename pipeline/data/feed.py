@@ -150,7 +150,7 @@ class Feed:
         options = {
             "batch_size": ingest.batch_size // world,
             "prefetch_batches": ingest.prefetch_batches,
-            "local_shuffle_buffer_size": ingest.local_shuffle_buffer_size if training else None,
+            "local_shuffle_buffer_size": self.reading.shuffle_rows if training else None,
             "local_shuffle_seed": self.reading.seed + epoch,
             "drop_last": drop_last,
         }

@@ -8,6 +8,7 @@ well an epoch mixes the training split; and prediction's rows, read by Ray Data 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from pipeline.common import workarounds
 from pipeline.common.errors import PipelineError, root_cause
 from pipeline.config import Layout, PipelineConfig, SourceConfig, TransformSpec
 from pipeline.data import cache, epochs, pieces, source
-from pipeline.data.cache_plan import CachePlan, cache_plan
+from pipeline.data.cache_plan import CachePlan, cache_plan, sample_rows
 from pipeline.data.steps import (
     Steps,
     apply,
@@ -34,6 +35,7 @@ from pipeline.data.steps import (
 from pipeline.runtime.cluster import alive_nodes, on_this_node, placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose read tasks hold less of its labels than this (of a full shuffle's) warns
+SHUFFLE_SHARE = 0.25  # of the smallest object store, the training workers' shuffle buffers together (ingest.*buffer*)
 
 
 @dataclass(kw_only=True)
@@ -51,6 +53,7 @@ class TrainingData:
     plan: CachePlan | None = None
     caches: dict[str, cache.Cache] = field(default_factory=dict)  # split -> its cache, with the plan on
     mixing: Mixing | None = None
+    shuffle_rows: int | None = None  # each worker's local shuffle buffer of the training split (None: none)
     # split -> the steps the training workers run on their device, after the batches reach them (steps.device_split)
     on_device: dict[str, dict[str, TransformSpec]] = field(default_factory=dict)
     # split -> its cache, where the training workers read its rows themselves (no dataset for Ray Train to split)
@@ -73,6 +76,7 @@ class TrainingData:
             columns=[layout.model_input, layout.label],
             ingest=cfg.ingest,
             seed=cfg.train.seed,
+            shuffle_rows=self.shuffle_rows,
         )
 
     def device_steps(self) -> str | None:
@@ -102,15 +106,20 @@ class Mixing:
     rows_per_group: int
     share: float
     shuffled: bool  # ingest.shuffle: without it a batch takes consecutive rows, as if each row group were a task's
+    buffer: int | None = None  # rows each worker's shuffle buffer draws its batches from
+    whole: bool = False  # the buffers hold the whole split: a full shuffle
 
     def summary(self) -> str:
         low, high = self.groups
         held = f"{low}" if low == high else f"{low}-{high}"
         layout = f"row groups of about {self.rows_per_group:,} rows"
         read = f"{self.tasks} read task(s) of {held} {layout}" if self.shuffled else f"stored order ({layout})"
+        if self.buffer:
+            whole = ", the whole split: a full shuffle" if self.whole else ""
+            read += f", each worker drawing its batches from a shuffle buffer of {self.buffer:,} rows{whole}"
         return (
-            f"{read}; a task holds at most {self.share:.0%} of the labels a full shuffle mixes (the footers' label "
-            "ranges)"
+            f"{read}; a batch draws on at most {self.share:.0%} of the labels a full shuffle mixes (the footers' "
+            "label ranges)"
         )
 
     def warning(self) -> str | None:
@@ -119,8 +128,8 @@ class Mixing:
             return None
         remedy = (
             "Rewrite it once, shuffled, in smaller row groups: python -m pipeline.reshuffle SOURCE TARGET "
-            "(docs/own-data.md, 'Data stored by class'), let each read task mix more (ingest.read_task_mib), or mix "
-            "across tasks in each worker (ingest.local_shuffle_buffer_size)."
+            "(docs/own-data.md, 'Data stored by class'), let each read task mix more (ingest.read_task_mib), or give "
+            "each worker a larger shuffle buffer (ingest.local_shuffle_buffer_size, rows; or a larger object store)."
             if self.shuffled
             else "Turn the shuffle on: ingest.shuffle=true."
         )
@@ -156,11 +165,13 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             groups = pieces.row_groups(split.files, split.filesystem, cfg.source.limit, layout.label)
             numbers = pieces.row_numbers(groups) if name == "train" else None
             every_epoch = cached_steps(split.steps)[1] if plan.on else streamed_steps(split.steps)
-            # a cache the workers can read themselves (not where its pieces may sit on other nodes; nor with
-            # ingest.standardize, whose pass over the split reads its rows): on_device auto sends the per-epoch
-            # steps to them, on any device, and with nothing left to run in Ray Data's tasks they gather the rows
-            readable = plan.on and one_node and not ingest.standardize
-            in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu or readable)
+            # on one node (not with ingest.standardize, whose pass over the split reads its rows) on_device auto sends
+            # the per-epoch steps to the workers, on any device: they decode and crop in their feed threads what the
+            # read tasks hand on as stored (streamed), or, with nothing left to run in Ray Data's tasks, gather the
+            # rows of a cache themselves (not where its pieces may sit on other nodes)
+            here = one_node and not ingest.standardize
+            readable = plan.on and here
+            in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu or here)
             if plan.on:
                 built = data.caches[name] = cached_split(split, groups, columns, shuffle, plan.row_bytes[name])
             if plan.on and readable and not in_tasks:
@@ -186,7 +197,10 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     where=read_placement(every_epoch if plan.on else split.steps),
                 )
             if name == "train":
-                data.mixing = mixing(groups, tasks, shuffle, layout, cfg)
+                if name not in data.indexed:  # a cache the workers read themselves is shuffled whole (pieces.shard)
+                    once = cached_steps(split.steps)[0] if plan.on else {}
+                    data.shuffle_rows = shuffle_rows(cfg, split, {**once, **in_tasks})
+                data.mixing = mixing(groups, tasks, shuffle, layout, cfg, buffer=data.shuffle_rows)
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
             data.statistics = feature_statistics(data.datasets["train"], columns[0], stacked)
@@ -202,23 +216,56 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
 
 
 def mixing(
-    groups: list[pieces.RowGroup], tasks: int, seed: int | None, layout: Layout, cfg: PipelineConfig
+    groups: list[pieces.RowGroup],
+    tasks: int,
+    seed: int | None,
+    layout: Layout,
+    cfg: PipelineConfig,
+    *,
+    buffer: int | None = None,
 ) -> Mixing | None:
     """How an epoch's ``tasks`` read tasks mix the training split's labels (:func:`pipeline.data.pieces.mix`), each
-    mixing the rows of its row groups; unshuffled, a batch takes consecutive rows, as if each row group were a task's.
-    None where the footers have no label ranges."""
+    mixing the rows of its row groups, and each worker's shuffle ``buffer`` (rows) the rows of the tasks it spans;
+    unshuffled, a batch takes consecutive rows, as if each row group were a task's. None where the footers have no
+    label ranges."""
     tasks = min(len(groups), tasks) if seed is not None else len(groups)
     values = None  # a regression's numbers: the share of their range
     if cfg.task.type == "classification":  # the labels as stored: class names, or their indices
         values = layout.classes or list(range(cfg.source.num_classes or 0)) or None
-    share = pieces.mix(groups, tasks, seed, values)
+    total = sum(group.rows for group in groups)
+    spanned = buffer * cfg.scaling.max_workers / (total / tasks) if buffer and seed is not None else 1.0
+    windows = max(1, math.ceil(tasks / max(spanned, 1.0)))  # the workers' buffers draw from this many tasks' rows
+    share = pieces.mix(groups, windows, seed, values)
     if share is None:
         return None
     sizes = [len(w) for w in pieces.window_groups(len(groups), seed, 0, tasks)]
-    rows = round(sum(group.rows for group in groups) / max(len(groups), 1))
     return Mixing(
-        tasks=tasks, groups=(min(sizes), max(sizes)), rows_per_group=rows, share=share, shuffled=seed is not None
+        tasks=tasks,
+        groups=(min(sizes), max(sizes)),
+        rows_per_group=round(total / max(len(groups), 1)),
+        share=share,
+        shuffled=seed is not None,
+        buffer=buffer if seed is not None else None,
+        whole=bool(buffer) and buffer * cfg.scaling.max_workers >= total,
     )
+
+
+def shuffle_rows(cfg: PipelineConfig, split: source.Split, steps: dict[str, TransformSpec]) -> int | None:
+    """Each training worker's shuffle buffer (``ingest.local_shuffle_buffer_size``), in rows. ``auto``: what
+    ``SHUFFLE_SHARE`` of the smallest object store holds, shared among the workers, at the bytes a row takes as it
+    reaches them (the first rows through ``steps``, those run before: none where the read tasks hand on the stored
+    rows), up to a worker's share of the split: on one node most splits whole, a full shuffle, as a DataLoader's.
+    None without ``ingest.shuffle``: the stored order."""
+    setting = cfg.ingest.local_shuffle_buffer_size
+    if setting != "auto":
+        return setting
+    if not cfg.ingest.shuffle:
+        return None
+    sample = sample_rows(split, steps)
+    row_bytes = pieces.batch_bytes(sample) / max(len(sample[split.layout.label]), 1)
+    workers = cfg.scaling.max_workers
+    store = min(node["Resources"].get("object_store_memory", 0.0) for node in alive_nodes())
+    return max(1, min(split.rows // workers, int(SHUFFLE_SHARE * store / workers / row_bytes)))
 
 
 def dataset(
