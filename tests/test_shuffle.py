@@ -128,7 +128,8 @@ def test_reshuffle_rewrites_a_class_sorted_split_that_its_read_tasks_then_mix(tm
 def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_mixes_it_as_a_full_shuffle(tmp_path):
     """Streamed by read tasks of one row group each (a tiny ingest.read_task_mib), a class-sorted split, with the
     default shuffle buffer: no warning, the run records how it mixes (pipeline.shuffle: the whole split in the
-    workers' buffers) and measures a label_mix near a full shuffle's 1 (each task's rows alone: about 1/10)."""
+    workers' buffers) and measures a label_mix near a full shuffle's 1 (each task's rows alone: about 1/10); on one
+    node the per-epoch crop and flip run in the workers, on the rows as the read tasks decode them."""
     root = stored(tmp_path, "sorted").parent
     args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.read_task_mib=1e-6"]
     args.append("scaling.num_workers=2")  # batches of 64 a worker: two read tasks' rows, each of one class
@@ -141,3 +142,4 @@ def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_mixes_it_as_a_
     shuffle = run.data.tags["pipeline.shuffle"]
     assert shuffle.startswith("20 read task(s) of 1 row groups of about 32 rows") and "a full shuffle" in shuffle
     assert run.data.metrics["label_mix"] > 0.85
+    assert run.data.tags["pipeline.device_steps"] == "train: crop, flip"  # one node: in the workers' feed threads
