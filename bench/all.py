@@ -6,7 +6,10 @@ each other: they share the cores), and written where the docs read them:
 - ``--quick`` (about 100 minutes on 2 cores): the README's figures, each over 3 seeds: the quick start's training
   (``train.py``), the ingest-bound sets (``ingest.py``), the feed alone (``feed.py``), the start-up
   (``startup.py``), and on a machine with a GPU the GPU rows (``gpu.py``; without one, the last GPU record stays);
-- ``--full``: the same, then every other benchmark (their figures stay in outputs/bench/ and docs/performance.md);
+- ``--full``: the same, then every other benchmark, each report kept in docs/records/ (docs/performance.md quotes
+  them);
+- ``--keep NAME [NAME ...]``: only keeps the reports of benchmarks run by hand (``outputs/bench/NAME.json``, with
+  their command, date, machine and commit) in docs/records/;
 - ``--render``: only writes docs/figures.md and the README's table again from docs/figures.json.
 
 Writes docs/figures.json (every run's figures, with the date, machine, versions and commit), docs/figures.md
@@ -27,6 +30,7 @@ from report import COMPARISON_HEADER, OUT_DIR, comparison_cells, span, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES, PAGE, README = ROOT / "docs" / "figures.json", ROOT / "docs" / "figures.md", ROOT / "README.md"
+RECORDS = ROOT / "docs" / "records"  # the other benchmarks' newest reports, each as the bench wrote it
 QUICK = ("feed.py", "train.py", "ingest.py", "startup.py")
 REST = (
     "step.py",
@@ -77,6 +81,14 @@ def taken(reports: list[dict]) -> str:
             f"{report['commit']}{dirty}; ray {versions['ray']}, torch {versions['torch']}"
         )
     return f"{first if first == last else f'{first} to {last}'}; {'; '.join(sorted(setups))}"
+
+
+def keep(names: list[str]) -> None:
+    """The benchmarks' reports (outputs/bench/<name>.json) copied into docs/records/, where the repo keeps them."""
+    RECORDS.mkdir(exist_ok=True)
+    for name in names:
+        (RECORDS / f"{name}.json").write_text((OUT_DIR / f"{name}.json").read_text())
+        print(f"kept {RECORDS / name}.json")
 
 
 def by_all(report: dict) -> bool:
@@ -208,10 +220,14 @@ if __name__ == "__main__":
     mode.add_argument("--quick", action="store_true", help="the README's figures")
     mode.add_argument("--full", action="store_true", help="the README's figures, then every other benchmark")
     mode.add_argument("--render", action="store_true", help="docs/figures.md and the README from docs/figures.json")
+    mode.add_argument("--keep", nargs="+", metavar="NAME", help="keep outputs/bench/NAME.json in docs/records/")
     parser.add_argument(
         "--only", nargs="+", choices=QUICK, help="with --quick: these benches; the rest keep their record"
     )
     arguments = parser.parse_args()
+    if arguments.keep:
+        keep(arguments.keep)
+        sys.exit(0)
     if not arguments.render:
         import torch
 
@@ -223,5 +239,6 @@ if __name__ == "__main__":
         FIGURES.write_text(json.dumps(record, indent=1))
         if arguments.full:
             run(REST, gpu=False)
+            keep([script.removesuffix(".py") for script in REST])
     render(json.loads(FIGURES.read_text()))
     print(f"wrote {FIGURES}, {PAGE} and the README's table")
