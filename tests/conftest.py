@@ -308,11 +308,14 @@ def in_block_order(epoch: int = 0):
         ray.kill(actor)
 
 
-def epoch_dataset(cfg, split, actor, *, seed: int | None = None, numbered: bool = False, built=None, task_mib=None):
+def epoch_dataset(
+    cfg, split, actor, *, seed: int | None = None, numbered: bool = False, built=None, task_mib=None, bare=False
+):
     """``split`` read every epoch as a job reads it (:func:`pipeline.data.preprocess.read_epochs`): from storage, its
     streamed steps run, or from its cache (``built``: :func:`pipeline.data.preprocess.cached_split`'s), its per-epoch
     steps run; ``actor``: the epochs actor; ``numbered``: as the training split, each row numbered; ``task_mib``:
-    ``ingest.read_task_mib``."""
+    ``ingest.read_task_mib``; ``bare``: as one node reads a split whose steps all run in the workers, whose shuffle
+    buffers hold it whole (no step in Ray Data's tasks, each task's rows in their stored order)."""
     from pipeline.data import epochs, pieces, preprocess, steps
 
     groups = row_groups(split)
@@ -325,6 +328,8 @@ def epoch_dataset(cfg, split, actor, *, seed: int | None = None, numbered: bool 
         columns_read = [*(split.layout.inputs if split.layout else ["image"]), *columns[1:]]
         parts = epochs.stored_parts(groups, split.filesystem, columns_read)
         run, first = steps.streamed_steps(split.steps), steps.read_steps(split) if split.layout else []
+    if bare:
+        run, first = {}, []
     ds, _ = preprocess.read_epochs(
         parts,
         run,
@@ -336,6 +341,7 @@ def epoch_dataset(cfg, split, actor, *, seed: int | None = None, numbered: bool 
         seed=seed,
         numbers=pieces.row_numbers(groups) if numbered else None,
         where={},
+        mix=not bare,
     )
     return ds
 

@@ -10,13 +10,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
+import torch
 from conftest import compose_cfg, epoch_dataset, in_block_order, jpeg, row_groups, write_split
 
 import transforms
 from pipeline.common.errors import PipelineError
 from pipeline.data import pieces, preprocess, source, steps
 from pipeline.data.epochs import ReadCount
+from pipeline.data.feed import Collate
 from pipeline.jobs import preflight
+from transforms.device import RandomResizedCrop
 from transforms.randomness import ROW
 
 
@@ -90,6 +93,28 @@ def test_rows_are_numbered_in_file_order_and_a_resumed_epoch_leaves_out_those_tr
     assert all(set(row) == {"image", "label", ROW} for row in whole)
 
 
+def test_with_every_step_in_the_workers_the_read_tasks_hand_on_the_stored_rows_as_they_are(tmp_path, ray_runtime):
+    """One node, every per-epoch step in the workers and their shuffle buffers holding the split: each read task hands
+    on its row groups' stored rows in their stored order (no mixing copy: the buffers mix), the bytes as stored, each
+    row numbered, no column of the epoch; a resumed epoch still leaves out the rows trained before the stop."""
+    cfg, split = row_groups_split(tmp_path, files=4)
+    stored = [image for file in split.files for image in pq.read_table(file)["image"].to_pylist()]
+    done = np.zeros(64, dtype=bool)
+    done[::3] = True
+    with in_block_order() as actor:
+        ds = epoch_dataset(cfg, split, actor, seed=7, numbered=True, bare=True, task_mib=1e-6)
+        ray.get(actor.set_epoch.remote(1))
+        whole = ds.take_all()
+        ray.get(actor.set_epoch.remote(1, np.packbits(done)))
+        resumed = ds.take_all()
+    numbers = [row[ROW] for row in whole]
+    assert sorted(numbers) == list(range(64)) and all(row["image"] == stored[row[ROW]] for row in whole + resumed)
+    order = pieces.group_order(4, 7, 1)  # a task a row group, in the epoch's order; its rows as stored
+    assert numbers == [16 * group + row for group in order for row in range(16)]
+    assert [row[ROW] for row in resumed] == [n for n in numbers if not done[n]]
+    assert all(set(row) == {"image", "label", ROW} for row in whole)
+
+
 def test_the_first_epoch_trains_from_the_cache_as_it_is_built_a_window_at_a_time(tmp_path, ray_runtime):
     """A cache the workers read themselves (:func:`pipeline.data.pieces.shard`): epoch 0 reads 16 row groups in two
     windows of eight, in the order the cache builds them (it waits for the first window, not the whole cache); epoch 1
@@ -123,8 +148,8 @@ def photo(height: int, width: int, seed: int) -> bytes:
 
 def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_split_streams(tmp_path, ray_runtime):
     """transforms=imagenet streamed (ingest.cache=false): the working-size decode (streamed: false) does not
-    run, and the crop decodes each photo itself, to 224 x 224; the same step set to run every epoch is an error
-    before anything starts."""
+    run, and the crop decodes each photo itself, to 224 x 224, in the training workers on one node (the read tasks
+    hand on the stored photos); the same step set to run every epoch is an error before anything starts."""
     import pyarrow as pa
 
     photos = {}
@@ -141,13 +166,19 @@ def test_a_step_that_only_makes_the_caches_working_size_is_skipped_when_the_spli
     assert list(steps.streamed_steps(splits["train"].steps)) == ["crop"]
     with preprocess.training_data(cfg, splits) as data:
         assert set(data.datasets) == {"train", "valid"} and not data.caches
+        assert list(data.on_device["train"]) == ["crop"]  # one node: the crop runs in the training workers
         rows = data.datasets["train"].take_all()
+    assert sorted(row["image"] for row in rows) == sorted(photos["train"])  # the read tasks hand on the stored photos
     # the crop of each encoded photo itself, as the config draws it (a crop cut from the 256 working size differs),
     # for the row of that number (the training split's rows are numbered in file order: the draws' key)
     crop = {k: v for k, v in splits["train"].steps["crop"].fn.items() if k != "_target_"}
     encoded = {"image": np.array(photos["train"], dtype=object), ROW: np.arange(12)}
     expected = transforms.random_resized_crop(encoded, **crop)["image"]
-    assert sorted(np.asarray(row["image"]).tobytes() for row in rows) == sorted(e.tobytes() for e in expected)
+    in_worker = RandomResizedCrop(**crop)
+    batch = {"image": np.array([row["image"] for row in rows], dtype=object), ROW: np.array([row[ROW] for row in rows])}
+    collated = Collate([in_worker], 0, torch.device("cpu"))(batch)
+    cropped = in_worker(collated.batch, collated.params[0])["image"].numpy()
+    assert all(np.array_equal(image, expected[number]) for image, number in zip(cropped, batch[ROW]))
 
     with pytest.raises(PipelineError, match=r"transforms.train.decode.streamed=false skips the step .*\(cache: true\)"):
         preflight.sources(compose_cfg([*args, "transforms.train.decode.cache=false"]))

@@ -129,10 +129,12 @@ def stored_parts(groups: list[RowGroup], filesystem, columns: list[str]) -> Part
 
 class EpochSource(Datasource):
     """A split (its ``parts``) read anew every epoch: ``tasks`` read tasks, each a run of the epoch's order of the
-    parts (drawn from ``seed`` and the epoch; None: the stored order), its rows mixed (seeded alike) and handed on in
-    blocks of ``block_rows``; with ``numbers`` (the training split's: :func:`pipeline.data.pieces.row_numbers`) each
-    row numbered (``ROW``) and those of a resumed epoch trained on before the stop left out; ``name``: the split's;
-    ``epochs``: the job's :class:`Epochs`."""
+    parts (drawn from ``seed`` and the epoch; None: the stored order), its rows mixed (seeded alike; not with ``mix``
+    false, where the workers' shuffle buffers hold the whole split) and handed on in blocks of ``block_rows``; with
+    ``numbers`` (the training split's: :func:`pipeline.data.pieces.row_numbers`) each row numbered (``ROW``) and those
+    of a resumed epoch trained on before the stop left out; ``name``: the split's; ``epochs``: the job's
+    :class:`Epochs`. ``keep``: where no step runs in Ray Data's tasks, the columns the read hands on (with ``ROW``),
+    as stored, without the epoch's column."""
 
     def __init__(
         self,
@@ -144,10 +146,13 @@ class EpochSource(Datasource):
         numbers: np.ndarray | None,
         tasks: int,
         block_rows: int,
+        mix: bool = True,
+        keep: list[str] | None = None,
     ):
         super().__init__()
         self.parts, self.name, self.epochs, self.seed, self.numbers = parts, name, epochs, seed, numbers
         self.tasks, self.block_rows = max(1, min(tasks, len(parts.rows))), block_rows
+        self.mix, self.keep = mix and seed is not None, keep
 
     def estimate_inmemory_data_size(self) -> int:
         return sum(self.parts.bytes)
@@ -178,7 +183,7 @@ class EpochSource(Datasource):
         """Read task ``index`` of ``epoch`` (of the dataset's ``execution``): its ``run`` of parts, without the rows
         ``done`` (packed bits)."""
         parts, numbers, block_rows, epochs, seed = self.parts, self.numbers, self.block_rows, self.epochs, self.seed
-        task = (self.name, execution, index)
+        mix, keep, task = self.mix, self.keep, (self.name, execution, index)
 
         def read() -> Iterator[Block]:
             with ThreadPoolExecutor(min(len(run), READ_THREADS)) as pool:
@@ -186,7 +191,7 @@ class EpochSource(Datasource):
             counts, sizes = zip(*map(measured, loaded))
             epochs.add_read.remote(ray.get_runtime_context().get_node_id(), sum(sizes), task)
             rows = np.arange(sum(counts))
-            if seed is not None:  # mixed before any row is left out: a resumed epoch keeps the order of the rest
+            if mix:  # mixed before any row is left out: a resumed epoch keeps the order of the rest
                 rows = rows[np.random.default_rng([seed, epoch, index]).permutation(len(rows))]
             extra = {}
             if numbers is not None:
@@ -194,7 +199,10 @@ class EpochSource(Datasource):
                 if done is not None:
                     rows = rows[~trained(ray.get(done), number[rows])]
                 extra[ROW] = number[rows]
-            extra[EPOCH] = np.full(len(rows), epoch, np.int32)
+            if keep is None:  # for the steps in the task after the read
+                extra[EPOCH] = np.full(len(rows), epoch, np.int32)
+            else:
+                loaded = [kept(part, keep) for part in loaded]
             yield from blocks(loaded, rows, extra, block_rows)
 
         return read
@@ -203,10 +211,12 @@ class EpochSource(Datasource):
 def blocks(loaded: list, rows: np.ndarray, extra: dict[str, np.ndarray], block_rows: int) -> Iterator[Block]:
     """The ``rows`` (places among the ``loaded`` parts' rows, in order) with the ``extra`` columns, in blocks of
     ``block_rows``. Parts read from storage (Arrow): one take into the order (a take per block copies the whole table
-    each time). The cache's pieces (numpy): numpy's indexing, and a frame Ray Data takes as it is (Arrow's take on
-    images of different sizes spent seconds a block; numpy's moves pointers)."""
+    each time), none where the rows stay as read. The cache's pieces (numpy): numpy's indexing, and a frame Ray Data
+    takes as it is (Arrow's take on images of different sizes spent seconds a block; numpy's moves pointers)."""
     if isinstance(loaded[0], pa.Table):
-        table = pa.concat_tables(loaded, promote_options="permissive").take(pa.array(rows))  # files may differ in types
+        table = pa.concat_tables(loaded, promote_options="permissive")  # files may differ in types
+        if not np.array_equal(rows, np.arange(table.num_rows)):  # mixed, or rows left out: else as read, not copied
+            table = table.take(pa.array(rows))
         for key, values in extra.items():
             table = table.append_column(key, pa.array(values))
         for start in range(0, table.num_rows, block_rows):
@@ -215,6 +225,11 @@ def blocks(loaded: list, rows: np.ndarray, extra: dict[str, np.ndarray], block_r
     batch = {key: np.concatenate([part[key] for part in loaded])[rows] for key in loaded[0]} | extra
     for start in range(0, len(rows), block_rows):
         yield frame({key: values[start : start + block_rows] for key, values in batch.items()})
+
+
+def kept(part: pa.Table | Batch, columns: list[str]) -> pa.Table | Batch:
+    """A loaded part's ``columns`` alone."""
+    return part.select(columns) if isinstance(part, pa.Table) else {name: part[name] for name in columns}
 
 
 def measured(part: pa.Table | Batch) -> tuple[int, int]:

@@ -174,7 +174,12 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             in_tasks, data.on_device[name] = device_split(every_epoch, cfg.scaling.use_gpu or here)
             if plan.on:
                 built = data.caches[name] = cached_split(split, groups, columns, shuffle, plan.row_bytes[name])
-            if plan.on and readable and not in_tasks:
+            indexed = plan.on and readable and not in_tasks
+            if name == "train" and not indexed:  # a cache the workers read themselves is shuffled whole (pieces.shard)
+                once = cached_steps(split.steps)[0] if plan.on else {}
+                data.shuffle_rows = shuffle_rows(cfg, split, {**once, **in_tasks})
+            whole = name == "train" and (data.shuffle_rows or 0) * cfg.scaling.max_workers >= split.rows
+            if indexed:
                 data.indexed[name] = cache.Indexed(cache=built, rows=split.rows, numbers=numbers)
                 tasks = built.windows.later
             else:
@@ -195,11 +200,9 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     seed=shuffle,
                     numbers=numbers,
                     where=read_placement(every_epoch if plan.on else split.steps),
+                    mix=not whole,  # the buffers mix the whole split: the read tasks need not
                 )
             if name == "train":
-                if name not in data.indexed:  # a cache the workers read themselves is shuffled whole (pieces.shard)
-                    once = cached_steps(split.steps)[0] if plan.on else {}
-                    data.shuffle_rows = shuffle_rows(cfg, split, {**once, **in_tasks})
                 data.mixing = mixing(groups, tasks, shuffle, layout, cfg, buffer=data.shuffle_rows)
         stacked = layout.inputs if layout.stacked else None
         if ingest.standardize:
@@ -301,24 +304,35 @@ def read_epochs(
     seed: int | None,
     numbers: np.ndarray | None,
     where: dict,
+    mix: bool = True,
 ) -> tuple[ray.data.Dataset, int]:
     """A split's ``parts`` read anew every epoch by Ray Data's read tasks (:class:`pipeline.data.epochs.EpochSource`:
     in an order drawn from ``seed`` and the epoch ``epoch_actor`` holds; rows numbered from ``numbers``), ``first``
     (:func:`pipeline.data.steps.read_steps`) and ``steps`` run on them by ``map_batches`` placed as ``where`` says
     (:func:`pipeline.data.steps.placement`), fused with the reads, keeping ``columns``; handed on in blocks of one
-    worker's batch. With it, how many read tasks an epoch has."""
+    worker's batch; ``mix`` false: each task's rows left in their stored order (the workers' shuffle buffers hold the
+    whole split). Where nothing runs after the read (no step, no ``first``), the read tasks hand on ``columns`` as
+    stored, not through a batch of numpy objects and back. With it, how many read tasks an epoch has."""
     block_rows = max(1, cfg.ingest.batch_size // cfg.scaling.max_workers)
     cpus = sum(node["Resources"].get("CPU", 0) for node in placeable_nodes(where)) or 1
     tasks = epochs.epoch_tasks(parts, int(cpus), cfg.ingest.read_task_mib * 2**20)
+    bare = not steps and not first
     read = epochs.EpochSource(
-        parts, name=name, epochs=epoch_actor, seed=seed, numbers=numbers, tasks=tasks, block_rows=block_rows
+        parts,
+        name=name,
+        epochs=epoch_actor,
+        seed=seed,
+        numbers=numbers,
+        tasks=tasks,
+        block_rows=block_rows,
+        mix=mix,
+        keep=columns if bare else None,
     )
-    then = Steps(steps, first, keep=columns)
     options = {"num_cpus": max((s.num_cpus for s in steps.values()), default=1.0), **where}
     ds = ray.data.read_datasource(read, override_num_blocks=read.tasks, **where)  # no SplitBlocks: fused with the steps
-    # the steps take each block as read (a batch of a size would keep them apart from the read), and their output
-    # leaves in blocks of one worker's batch
-    ds = ds.map_batches(then, batch_size=None, **options).repartition(target_num_rows_per_block=block_rows)
+    if not bare:  # the steps take each block as read (a batch of a size would keep them apart from the read)
+        ds = ds.map_batches(Steps(steps, first, keep=columns), batch_size=None, **options)
+    ds = ds.repartition(target_num_rows_per_block=block_rows)  # blocks of one worker's batch
     return workarounds.streamed_blocks(ds), read.tasks
 
 
