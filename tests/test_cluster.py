@@ -419,6 +419,9 @@ def test_a_preprocessing_node_lost_mid_epoch_costs_a_re_read_and_each_row_trains
         *pinned,
         "ingest.cache=false",
         "ingest.shuffle=true",
+        # no shuffle buffer: the split stays on the nodes that read it until it trains, as a split larger than the
+        # buffers does (the default buffer pulls this small one to the head before the first step)
+        "ingest.local_shuffle_buffer_size=null",
         "model.delay_s=0.2",
         "+scaling.label_selector.node-type=train",
         "scaling.num_workers=1",

@@ -263,8 +263,8 @@ def test_a_run_with_its_crops_on_the_device_trains_the_weights_the_cpu_steps_tra
     """Cached photos on one node, the crop on the device (here the worker's CPU, where on_device auto puts it for a
     cache the workers read themselves): the worker gathers the working size from the cache, cuts each row's
     window, and the run ends with the very weights of the run whose crops Ray Data's tasks cut (on_device=false).
-    Streamed, the worker decodes the JPEG bytes itself and trains to about the same loss (a whole decode against the
-    CPU steps' DCT-reduced one)."""
+    Streamed, the worker decodes the JPEG bytes itself (the validation split's too, on one node) and trains to about
+    the same loss."""
     cpu, cpu_tags = photo_run(
         tmp_path / "cpu", "cpu", ["tracking.run_name=cpu", "transforms.train.crop.on_device=false"]
     )
@@ -276,6 +276,6 @@ def test_a_run_with_its_crops_on_the_device_trains_the_weights_the_cpu_steps_tra
         "streamed",
         ["tracking.run_name=streamed", "transforms.train.crop.on_device=true", "ingest.cache=false"],
     )
-    assert streamed_tags["pipeline.device_steps"] == "train: crop"
+    assert streamed_tags["pipeline.device_steps"] == "train: crop; valid: decode"  # one node: the workers decode
     assert "not cached" in streamed_tags["pipeline.cache"]
     assert abs(streamed["train_loss"] - cpu["train_loss"]) < 0.1 * cpu["train_loss"]
