@@ -129,10 +129,12 @@ def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_mixes_it_as_a_
     """Streamed by read tasks of one row group each (a tiny ingest.read_task_mib), a class-sorted split, with the
     default shuffle buffer: no warning, the run records how it mixes (pipeline.shuffle: the whole split in the
     workers' buffers) and measures a label_mix near a full shuffle's 1 (each task's rows alone: about 1/10); on one
-    node the per-epoch crop and flip run in the workers, on the rows as the read tasks decode them."""
-    root = stored(tmp_path, "sorted").parent
+    node the per-epoch crop and flip run in the workers, on the rows as the read tasks decode them. Eight tasks a
+    label: however the 80 tasks are dealt to the two workers (by arrival), each worker holds nearly every label (of two
+    tasks a label, a random deal gives each worker about 7.6 labels: a label_mix of 0.8)."""
+    root = stored(tmp_path, "sorted", group_rows=8).parent
     args = ["+experiment=smoke", "ingest.cache=false", "ingest.shuffle=true", "ingest.read_task_mib=1e-6"]
-    args.append("scaling.num_workers=2")  # batches of 64 a worker: two read tasks' rows, each of one class
+    args.append("scaling.num_workers=2")  # batches of 64 a worker: eight read tasks' rows, each of one class
     result = run_cli([*args, f"source.root={root / 'sorted'}", "source.download=null"], tmp_path, root)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
@@ -140,6 +142,6 @@ def test_a_run_streaming_a_class_sorted_split_in_small_read_tasks_mixes_it_as_a_
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     shuffle = run.data.tags["pipeline.shuffle"]
-    assert shuffle.startswith("20 read task(s) of 1 row groups of about 32 rows") and "a full shuffle" in shuffle
+    assert shuffle.startswith("80 read task(s) of 1 row groups of about 8 rows") and "a full shuffle" in shuffle
     assert run.data.metrics["label_mix"] > 0.85
     assert run.data.tags["pipeline.device_steps"] == "train: crop, flip"  # one node: in the workers' feed threads
