@@ -78,6 +78,26 @@ def test_read_tasks_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warne
     assert share == 0.0  # each group one value: no length of the range at all
 
 
+def test_the_auto_shuffle_buffer_is_a_few_batches_of_rows_stored_mixed_and_the_most_of_rows_stored_by_class(tmp_path):
+    """Stored shuffled, every row group holds every label: a buffer of FEWEST_BATCHES batches mixes as the whole split
+    does, and an epoch's first batch waits for no more rows; stored by class, nothing short of the most the store
+    allows (here the whole split) mixes as it does. Where the buffers mix as a full shuffle, the read tasks need not
+    (they hand on their rows as stored)."""
+    cfg = compose_cfg(["ingest.batch_size=16"])
+    layout, workers = Layout.of(cfg.source), cfg.scaling.max_workers
+    most = 640 // workers
+    fewest = preprocess.FEWEST_BATCHES * (16 // workers)
+    assert fewest < most
+    mixed, by_class = stored(tmp_path / "a", "shuffled"), stored(tmp_path / "b", "sorted")
+    assert preprocess.enough_rows(most, groups_of(mixed), layout, cfg) == fewest
+    assert preprocess.enough_rows(most, groups_of(by_class), layout, cfg) == most
+    split = lambda root: source.prepare(compose_cfg([f"source.root={root}", "source.download=null"]).source)["train"]  # noqa: E731
+    assert preprocess.buffers_mix(groups_of(mixed), split(mixed), fewest, cfg)
+    assert not preprocess.buffers_mix(groups_of(by_class), split(by_class), fewest, cfg)
+    assert preprocess.buffers_mix(groups_of(by_class), split(by_class), most, cfg)  # the whole split
+    assert not preprocess.buffers_mix(groups_of(mixed), split(mixed), None, cfg)
+
+
 def test_label_mix_is_labels_per_batch_against_a_full_shuffles():
     """Ten batches of 32 rows: each of one label (a split read in class order) measures about 1/9.7, where a full
     shuffle holds 9.66 of 10 labels a batch; batches drawn at random measure about 1."""

@@ -295,8 +295,9 @@ class IngestConfig:
     batch_size: int = 128  # global: each of N workers gets batch_size / N rows per step
     prefetch_batches: int = 2
     # rows each training worker draws its batches from at random, across read tasks (Ray Data's local shuffle);
-    # auto: as many as a quarter of the smallest object store holds, among the workers, at the size rows reach
-    # them (stored rows on one node: most splits whole, a full shuffle), with ingest.shuffle; null: none
+    # auto: the fewest rows that mix the labels as the most a quarter of the smallest object store holds do (among
+    # the workers, at the size rows reach them): a few batches of rows stored mixed; of rows stored by class on one
+    # node, most splits whole, a full shuffle. With ingest.shuffle; null: none
     local_shuffle_buffer_size: Any = "auto"
     drop_last: bool = False
     preserve_order: bool = False  # deterministic block order (reproducible runs) at some throughput cost

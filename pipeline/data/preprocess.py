@@ -36,6 +36,8 @@ from pipeline.runtime.cluster import alive_nodes, on_this_node, placeable_nodes
 
 MIX_WARNING = 0.9  # a training split whose read tasks hold less of its labels than this (of a full shuffle's) warns
 SHUFFLE_SHARE = 0.25  # of the smallest object store, the training workers' shuffle buffers together (ingest.*buffer*)
+FULL_MIX = 0.99  # a share of the labels (of a full shuffle's) that mixes as a full shuffle does
+FEWEST_BATCHES = 8  # the smallest auto shuffle buffer, in a worker's batches: batches new every epoch, a short fill
 
 
 @dataclass(kw_only=True)
@@ -177,8 +179,8 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
             indexed = plan.on and readable and not in_tasks
             if name == "train" and not indexed:  # a cache the workers read themselves is shuffled whole (pieces.shard)
                 once = cached_steps(split.steps)[0] if plan.on else {}
-                data.shuffle_rows = shuffle_rows(cfg, split, {**once, **in_tasks})
-            whole = name == "train" and (data.shuffle_rows or 0) * cfg.scaling.max_workers >= split.rows
+                data.shuffle_rows = shuffle_rows(cfg, split, {**once, **in_tasks}, groups)
+            buffered = name == "train" and not indexed and buffers_mix(groups, split, data.shuffle_rows, cfg)
             if indexed:
                 data.indexed[name] = cache.Indexed(cache=built, rows=split.rows, numbers=numbers)
                 tasks = built.windows.later
@@ -200,7 +202,7 @@ def training_data(cfg: PipelineConfig, splits: dict[str, source.Split], plan: Ca
                     seed=shuffle,
                     numbers=numbers,
                     where=read_placement(every_epoch if plan.on else split.steps),
-                    mix=not whole,  # the buffers mix the whole split: the read tasks need not
+                    mix=not buffered,
                 )
             if name == "train":
                 data.mixing = mixing(groups, tasks, shuffle, layout, cfg, buffer=data.shuffle_rows)
@@ -253,11 +255,15 @@ def mixing(
     )
 
 
-def shuffle_rows(cfg: PipelineConfig, split: source.Split, steps: dict[str, TransformSpec]) -> int | None:
-    """Each training worker's shuffle buffer (``ingest.local_shuffle_buffer_size``), in rows. ``auto``: what
-    ``SHUFFLE_SHARE`` of the smallest object store holds, shared among the workers, at the bytes a row takes as it
-    reaches them (the first rows through ``steps``, those run before: none where the read tasks hand on the stored
-    rows), up to a worker's share of the split: on one node most splits whole, a full shuffle, as a DataLoader's.
+def shuffle_rows(
+    cfg: PipelineConfig, split: source.Split, steps: dict[str, TransformSpec], groups: list[pieces.RowGroup]
+) -> int | None:
+    """Each training worker's shuffle buffer (``ingest.local_shuffle_buffer_size``), in rows. ``auto``: the fewest
+    rows that mix the labels as well as the most the store allows (:func:`enough_rows`): what ``SHUFFLE_SHARE`` of
+    the smallest object store holds, shared among the workers, at the bytes a row takes as it reaches them (the first
+    rows through ``steps``, those run before: none where the read tasks hand on the stored rows), up to a worker's
+    share of the split. A split stored by class: on one node most often whole, a full shuffle, as a DataLoader's; one
+    stored mixed, a few batches, so that an epoch's first batch waits for a few batches' rows, not for the split.
     None without ``ingest.shuffle``: the stored order."""
     setting = cfg.ingest.local_shuffle_buffer_size
     if setting != "auto":
@@ -268,7 +274,35 @@ def shuffle_rows(cfg: PipelineConfig, split: source.Split, steps: dict[str, Tran
     row_bytes = pieces.batch_bytes(sample) / max(len(sample[split.layout.label]), 1)
     workers = cfg.scaling.max_workers
     store = min(node["Resources"].get("object_store_memory", 0.0) for node in alive_nodes())
-    return max(1, min(split.rows // workers, int(SHUFFLE_SHARE * store / workers / row_bytes)))
+    most = max(1, min(split.rows // workers, int(SHUFFLE_SHARE * store / workers / row_bytes)))
+    return enough_rows(most, groups, split.layout, cfg)
+
+
+def enough_rows(most: int, groups: list[pieces.RowGroup], layout: Layout, cfg: PipelineConfig) -> int:
+    """The first of ``FEWEST_BATCHES`` of a worker's batches, doubled, up to ``most`` rows, whose buffers mix the
+    labels as ``most`` rows do (within 1%, by the footers' label ranges: :func:`mixing`, each row group counted a read
+    task, so a buffer spans the fewest rows); ``most`` where the footers cannot tell."""
+    seed = cfg.train.seed
+    best = mixing(groups, len(groups), seed, layout, cfg, buffer=most)
+    rows = FEWEST_BATCHES * max(1, cfg.ingest.batch_size // cfg.scaling.max_workers)
+    while best is not None and rows < most:
+        if mixing(groups, len(groups), seed, layout, cfg, buffer=rows).share >= 0.99 * best.share:
+            return rows
+        rows *= 2
+    return most
+
+
+def buffers_mix(groups: list[pieces.RowGroup], split: source.Split, buffer: int | None, cfg: PipelineConfig) -> bool:
+    """Whether the training workers' shuffle buffers of ``buffer`` rows mix the labels as a full shuffle does: they
+    hold the whole ``split``, or any span of ``buffer`` rows holds nearly every label (rows stored mixed, by
+    the footers' label ranges). Then the read tasks hand on their rows in the stored order, not copied into a mixed
+    one."""
+    if not buffer:
+        return False
+    if buffer * cfg.scaling.max_workers >= split.rows:
+        return True
+    mixed = mixing(groups, len(groups), cfg.train.seed, split.layout, cfg, buffer=buffer)
+    return mixed is not None and mixed.share >= FULL_MIX
 
 
 def dataset(
