@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from test_pipeline import cli_env, run_cli
 
 from pipeline.config import Layout
-from pipeline.data import pieces, preprocess, source
+from pipeline.data import mixing, pieces, source
 from pipeline.training.telemetry import EpochTelemetry
 
 CLASSES = list(range(10))
@@ -56,25 +56,25 @@ def test_read_tasks_of_a_class_sorted_split_hold_few_labels_and_the_run_is_warne
     sorted_groups, shuffled_groups = groups_of(stored(tmp_path, "sorted")), groups_of(stored(tmp_path, "shuffled"))
     assert len(sorted_groups) == len(shuffled_groups) == 20 and sorted_groups[0].labels == (0, 0)
 
-    coarse = preprocess.mixing(sorted_groups, 20, 0, layout, cfg)
+    coarse = mixing.mixing(sorted_groups, 20, 0, layout, cfg)
     assert coarse.share == pytest.approx(0.1) and coarse.groups == (1, 1)
     assert "looks sorted by label and is read in 20 read task(s) of 1 row groups" in coarse.warning()
     assert "python -m pipeline.reshuffle SOURCE TARGET" in coarse.warning()
-    assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).share > 0.95  # a group of 32 may miss 0 or 9
-    assert preprocess.mixing(shuffled_groups, 20, 0, layout, cfg).warning() is None
-    assert preprocess.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one task: a full shuffle
+    assert mixing.mixing(shuffled_groups, 20, 0, layout, cfg).share > 0.95  # a group of 32 may miss 0 or 9
+    assert mixing.mixing(shuffled_groups, 20, 0, layout, cfg).warning() is None
+    assert mixing.mixing(sorted_groups, 1, 0, layout, cfg).warning() is None  # one task: a full shuffle
     # each worker's shuffle buffer draws on the rows of the tasks it spans: the whole split's, a full shuffle
     workers = cfg.scaling.max_workers  # each a buffer of its own
-    whole = preprocess.mixing(sorted_groups, 20, 0, layout, cfg, buffer=640 // workers)
+    whole = mixing.mixing(sorted_groups, 20, 0, layout, cfg, buffer=640 // workers)
     assert whole.share == 1.0 and whole.warning() is None
     assert f"a shuffle buffer of {640 // workers} rows, the whole split: a full shuffle" in whole.summary()
-    quarter = preprocess.mixing(sorted_groups, 20, 0, layout, cfg, buffer=160 // workers)  # 5 tasks' rows: <= 5 labels
+    quarter = mixing.mixing(sorted_groups, 20, 0, layout, cfg, buffer=160 // workers)  # 5 tasks' rows: <= 5 labels
     assert 0.3 <= quarter.share <= 0.5 and "ingest.local_shuffle_buffer_size" in quarter.warning()
-    unshuffled = preprocess.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a task of its own
+    unshuffled = mixing.mixing(sorted_groups, 1, None, layout, cfg)  # each row group a task of its own
     assert "Turn the shuffle on: ingest.shuffle=true." in unshuffled.warning()
 
     regression = compose_cfg(["task=regression"])
-    share = preprocess.mixing(sorted_groups, 20, 0, layout, regression).share  # a number's range: lengths, not counts
+    share = mixing.mixing(sorted_groups, 20, 0, layout, regression).share  # a number's range: lengths, not counts
     assert share == 0.0  # each group one value: no length of the range at all
 
 
@@ -86,16 +86,16 @@ def test_the_auto_shuffle_buffer_is_a_few_batches_of_rows_stored_mixed_and_the_m
     cfg = compose_cfg(["ingest.batch_size=16"])
     layout, workers = Layout.of(cfg.source), cfg.scaling.max_workers
     most = 640 // workers
-    fewest = preprocess.FEWEST_BATCHES * (16 // workers)
+    fewest = mixing.FEWEST_BATCHES * (16 // workers)
     assert fewest < most
     mixed, by_class = stored(tmp_path / "a", "shuffled"), stored(tmp_path / "b", "sorted")
-    assert preprocess.enough_rows(most, groups_of(mixed), layout, cfg) == fewest
-    assert preprocess.enough_rows(most, groups_of(by_class), layout, cfg) == most
+    assert mixing.enough_rows(most, groups_of(mixed), layout, cfg) == fewest
+    assert mixing.enough_rows(most, groups_of(by_class), layout, cfg) == most
     split = lambda root: source.prepare(compose_cfg([f"source.root={root}", "source.download=null"]).source)["train"]  # noqa: E731
-    assert preprocess.buffers_mix(groups_of(mixed), split(mixed), fewest, cfg)
-    assert not preprocess.buffers_mix(groups_of(by_class), split(by_class), fewest, cfg)
-    assert preprocess.buffers_mix(groups_of(by_class), split(by_class), most, cfg)  # the whole split
-    assert not preprocess.buffers_mix(groups_of(mixed), split(mixed), None, cfg)
+    assert mixing.buffers_mix(groups_of(mixed), split(mixed), fewest, cfg)
+    assert not mixing.buffers_mix(groups_of(by_class), split(by_class), fewest, cfg)
+    assert mixing.buffers_mix(groups_of(by_class), split(by_class), most, cfg)  # the whole split
+    assert not mixing.buffers_mix(groups_of(mixed), split(mixed), None, cfg)
 
 
 def test_label_mix_is_labels_per_batch_against_a_full_shuffles():
